@@ -1,0 +1,113 @@
+// bindings.cpp — the one extension module (llamajet._core). Marshalling and
+// boundary checks only; no math. Every error on input becomes a Python
+// exception (std::invalid_argument -> ValueError), never a crash.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <stdexcept>
+
+#include "runtime/cpu_features.h"
+#include "runtime/executor.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+using I32Vec = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using I32Mat = nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using AnyArr = nb::ndarray<nb::ro, nb::c_contig, nb::device::cpu>;
+
+lj::Operand to_operand(nb::handle h, int index) {
+  lj::Operand o;
+  if (h.is_none()) return o;
+  if (nb::isinstance<nb::tuple>(h)) {
+    nb::tuple t = nb::borrow<nb::tuple>(h);
+    if (t.size() != 2) throw std::invalid_argument("operand tuple must be (buffer_id, byte_offset)");
+    o.buffer = nb::cast<int>(t[0]);
+    o.offset = nb::cast<int64_t>(t[1]);
+    return o;
+  }
+  AnyArr a;
+  if (!nb::try_cast(h, a))
+    throw std::invalid_argument("operand " + std::to_string(index) +
+                                " must be None, (buffer, offset) or a C-contiguous array");
+  o.ptr = a.data();
+  o.nbytes = (int64_t)a.nbytes();
+  return o;
+}
+
+}  // namespace
+
+NB_MODULE(_core, m) {
+  m.doc() = "llamajet C++ core: CPU feature detection, kernels, executor";
+
+  m.def("cpu_features", [] {
+    const lj::CpuFeatures& f = lj::cpu_features();
+    nb::dict d;
+    d["brand"] = f.brand;
+    d["sse4_2"] = f.sse42; d["avx"] = f.avx; d["avx2"] = f.avx2; d["fma"] = f.fma; d["f16c"] = f.f16c;
+    d["avx512f"] = f.avx512f; d["avx512bw"] = f.avx512bw; d["avx512vl"] = f.avx512vl;
+    d["avx512dq"] = f.avx512dq; d["avx512_vnni"] = f.avx512vnni; d["avx512_bf16"] = f.avx512bf16;
+    d["avx_vnni"] = f.avxvnni; d["os_avx"] = f.os_avx; d["os_avx512"] = f.os_avx512;
+    return d;
+  });
+  m.def("supported_isas", &lj::supported_isas, "ISAs this CPU and OS can run, lowest first");
+
+  nb::class_<lj::Executor>(m, "Executor")
+      .def("__init__",
+           [](lj::Executor* self, const std::string& isa, int n_threads, int max_tokens, int max_out, int max_seqs,
+              int max_blocks, int64_t kv_slots, int64_t block_size, int64_t max_pos, int64_t scratch_floats) {
+             lj::ExecConfig c;
+             c.isa = isa; c.n_threads = n_threads; c.max_tokens = max_tokens; c.max_out = max_out; c.max_seqs = max_seqs;
+             c.max_blocks = max_blocks; c.kv_slots = kv_slots; c.block_size = block_size;
+             c.max_pos = max_pos; c.scratch_floats = scratch_floats;
+             new (self) lj::Executor(c);
+           },
+           "isa"_a, "n_threads"_a, "max_tokens"_a, "max_out"_a, "max_seqs"_a, "max_blocks"_a, "kv_slots"_a,
+           "block_size"_a, "max_pos"_a, "scratch_floats"_a)
+      .def_prop_ro("isa", [](const lj::Executor& e) { return std::string(e.isa()); })
+      .def_prop_ro("n_threads", [](const lj::Executor& e) { return e.config().n_threads; })
+      .def_prop_ro("max_tokens", [](const lj::Executor& e) { return e.config().max_tokens; })
+      .def_prop_ro("allocations", &lj::Executor::allocations)
+      .def_prop_ro("num_ops", &lj::Executor::num_ops)
+      .def("alloc_buffer", &lj::Executor::alloc_buffer, "nbytes"_a)
+      .def("buffer",
+           [](nb::handle self_h, int id) {
+             lj::Executor& e = nb::cast<lj::Executor&>(self_h);
+             size_t shape[1] = {(size_t)e.buffer_size(id)};
+             // The view keeps the executor alive (owner = self).
+             return nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(e.buffer_data(id), 1, shape, self_h);
+           },
+           "id"_a, "A writable uint8 numpy view of an executor buffer.")
+      .def("add_op",
+           [](lj::Executor& e, int kind, int wtype, int64_t rows, const std::vector<int64_t>& ints,
+              const std::vector<float>& floats, nb::list operands) {
+             if (ints.size() > 6 || floats.size() > 2 || operands.size() != 6)
+               throw std::invalid_argument("add_op: at most 6 ints, 2 floats and exactly 6 operands");
+             lj::Op op;
+             op.kind = kind;
+             op.wtype = wtype;
+             op.rows = rows;
+             for (size_t k = 0; k < ints.size(); ++k) op.i[k] = ints[k];
+             for (size_t k = 0; k < floats.size(); ++k) op.f[k] = floats[k];
+             lj::Operand o[6];
+             for (int k = 0; k < 6; ++k) o[k] = to_operand(operands[k], k);
+             e.add_op(op, o);
+           },
+           "kind"_a, "wtype"_a, "rows"_a, "ints"_a, "floats"_a, "operands"_a)
+      .def("run",
+           [](lj::Executor& e, I32Vec tokens, I32Vec positions, I32Vec slots, I32Vec seq_of_token,
+              I32Mat block_tables, I32Vec out_rows) {
+             const size_t n = tokens.shape(0);
+             if (positions.shape(0) != n || slots.shape(0) != n || seq_of_token.shape(0) != n)
+               throw std::invalid_argument("run: tokens, positions, slots, seq_of_token differ in length");
+             nb::gil_scoped_release release;
+             e.run((int)n, tokens.data(), positions.data(), slots.data(), seq_of_token.data(),
+                   (int)block_tables.shape(0), block_tables.data(), (int)block_tables.shape(1),
+                   (int)out_rows.shape(0), out_rows.data());
+           },
+           "tokens"_a, "positions"_a, "slots"_a, "seq_of_token"_a, "block_tables"_a, "out_rows"_a);
+}

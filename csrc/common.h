@@ -1,0 +1,102 @@
+// common.h — plain-data types shared by the runtime and every kernel tier.
+//
+// The executor runs a Program: a flat list of Ops over memory it is handed.
+// Python builds the Program once per (phase, shape bucket); every step only
+// refreshes the small StepCtx (token ids, positions, KV slots) and runs it.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace lj {
+
+// Weight / table storage formats the kernels read. Values are part of the
+// Python<->C++ contract (ops/__init__.py mirrors them).
+enum DType : int32_t {
+  F32 = 0,
+  F16 = 1,
+  BF16 = 2,
+  Q8_0 = 3,  // GGML block: fp16 d, 32 x int8;        w = d * q
+  Q4_0 = 4,  // GGML block: fp16 d, 16 B nibbles;      w = d * (q - 8)
+  Q4_1 = 5,  // GGML block: fp16 d, fp16 m, 16 B;      w = d * q + m
+};
+
+constexpr int64_t QK = 32;  // elements per GGML quant block
+
+// Bytes used by one row of K elements of type t (K must be a multiple of 32
+// for the block types; Python checks this before building a Program).
+inline int64_t row_bytes(int32_t t, int64_t k) {
+  switch (t) {
+    case F32: return 4 * k;
+    case F16: case BF16: return 2 * k;
+    case Q8_0: return (k / QK) * 34;
+    case Q4_0: return (k / QK) * 18;
+    case Q4_1: return (k / QK) * 20;
+    default: return -1;
+  }
+}
+
+// Op kinds, also mirrored in Python.
+enum OpKind : int32_t {
+  OP_EMBED = 0,      // out[t,:] = table[tokens[t], :]                  i: dim
+  OP_RMSNORM = 1,    // out = x * rsqrt(mean(x^2)+eps) * w               i: n      f: eps
+  OP_MATMUL = 2,     // out[m,n] = sum_k x[m,k] W[n,k]                   i: N, K
+  OP_ROPE = 3,       // out = rope(x) on [t, heads, hd], cos/sin tables i: heads, hd, interleaved, row stride
+  OP_KV_WRITE = 4,   // kpool[slot[t]] = k[t]; vpool[slot[t]] = v[t]     i: kv_dim
+  OP_ATTENTION = 5,  // causal GQA over K/V read through block tables    i: heads, kv_heads, hd, block_size  f: scale
+  OP_SWIGLU = 6,     // out = silu(gate) * up                            i: n
+  OP_ADD = 7,        // out = a + b                                      i: n
+  OP_GATHER = 8,     // out[r,:] = x[out_rows[r], :]                     i: n
+  OP_COUNT
+};
+
+// Row counts that depend on the step are written as these negative codes in
+// Op::rows and resolved per run.
+constexpr int64_t ROWS_TOKENS = -1;  // tokens in this step
+constexpr int64_t ROWS_OUT = -2;     // rows whose logits are wanted
+
+// Per-step inputs; arrays are owned by the Executor (sized at construction).
+struct StepCtx {
+  int32_t n_tokens;
+  int32_t n_out;
+  int32_t n_seqs;
+  int32_t max_blocks;           // row stride of block_tables
+  const int32_t* tokens;        // [n_tokens]
+  const int32_t* positions;     // [n_tokens] position of each token in its sequence
+  const int32_t* slots;         // [n_tokens] KV slot (block * block_size + offset)
+  const int32_t* seq_of_token;  // [n_tokens] index into block_tables
+  const int32_t* block_tables;  // [n_seqs, max_blocks]
+  const int32_t* out_rows;      // [n_out] token rows whose logits are computed
+  float* scratch;               // [n_threads, scratch_floats] per-thread scratch
+  int64_t scratch_floats;
+};
+
+// One op of a Program with its operands resolved to pointers.
+struct Op {
+  int32_t kind = 0;
+  int32_t wtype = F32;  // storage type of w (matmul weight / embedding table)
+  int64_t rows = 0;     // leading dimension M (or ROWS_* code)
+  int64_t i[6] = {0, 0, 0, 0, 0, 0};
+  float f[2] = {0.f, 0.f};
+  float* x = nullptr;        // main input
+  const float* x2 = nullptr; // second input (add b, swiglu up, kv_write v)
+  const void* w = nullptr;   // weight / table / rope cos
+  const void* w2 = nullptr;  // rope sin / v pool
+  float* out = nullptr;      // output (k pool for kv_write / attention)
+  float* out2 = nullptr;     // v pool for kv_write
+};
+
+// One kernel: computes this thread's share [ith of nth] of the op.
+using KernelFn = void (*)(const Op& op, const StepCtx& ctx, int ith, int nth);
+
+// A tier's kernels, indexed by OpKind. Filled once per ISA file.
+struct KernelTable {
+  const char* isa;
+  KernelFn fn[OP_COUNT];
+};
+
+// Each per-ISA translation unit exports one of these.
+const KernelTable* kernels_ref();
+const KernelTable* kernels_avx2();
+const KernelTable* kernels_avx512();
+
+}  // namespace lj

@@ -1,0 +1,207 @@
+// executor.cpp — see executor.h.
+#include "executor.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+
+#include "cpu_features.h"
+
+namespace lj {
+
+const KernelTable* kernel_table(const std::string& isa) {
+  bool ok = false;
+  for (const auto& s : supported_isas()) ok = ok || s == isa;
+  if (!ok) throw std::invalid_argument("ISA '" + isa + "' is not supported by this CPU/OS");
+  if (isa == "avx512") return kernels_avx512();
+  if (isa == "avx2") return kernels_avx2();
+  return kernels_ref();
+}
+
+Executor::Executor(const ExecConfig& cfg) : cfg_(cfg), table_(kernel_table(cfg.isa)) {
+  if (cfg_.n_threads < 1 || cfg_.max_tokens < 1 || cfg_.max_out < 0 ||
+      cfg_.max_out > cfg_.max_tokens || cfg_.max_seqs < 1 || cfg_.max_blocks < 1 ||
+      cfg_.scratch_floats < 0 || cfg_.kv_slots < 0 || cfg_.max_pos < 0 || cfg_.block_size < 1 ||
+      cfg_.kv_slots % cfg_.block_size != 0)
+    throw std::invalid_argument("Executor: bad configuration");
+  pool_ = std::make_unique<ThreadPool>(cfg_.n_threads);
+  tokens_.assign(cfg_.max_tokens, 0);
+  positions_.assign(cfg_.max_tokens, 0);
+  slots_.assign(cfg_.max_tokens, 0);
+  seq_of_token_.assign(cfg_.max_tokens, 0);
+  out_rows_.assign(cfg_.max_out + 1, 0);
+  block_tables_.assign((size_t)cfg_.max_seqs * cfg_.max_blocks, 0);
+  scratch_.assign((size_t)cfg_.n_threads * (cfg_.scratch_floats + 16), 0.f);
+  ctx_.scratch = scratch_.data();
+  ctx_.scratch_floats = cfg_.scratch_floats + 16;
+}
+
+int Executor::alloc_buffer(int64_t nbytes) {
+  if (nbytes < 0) throw std::invalid_argument("alloc_buffer: negative size");
+  const int64_t rounded = ((nbytes + 63) / 64) * 64 + 64;
+  void* p = std::aligned_alloc(64, (size_t)rounded);
+  if (!p) throw std::bad_alloc();
+  // Not zeroed: large blocks come from mmap (zero pages committed lazily, so
+  // an unused KV pool costs no RSS) and no kernel reads what it did not write.
+  ++allocations_;
+  Buffer b;
+  b.data = std::unique_ptr<uint8_t, void (*)(void*)>((uint8_t*)p, std::free);
+  b.size = nbytes;
+  buffers_.push_back(std::move(b));
+  return (int)buffers_.size() - 1;
+}
+
+uint8_t* Executor::buffer_data(int id) const {
+  if (id < 0 || id >= (int)buffers_.size()) throw std::out_of_range("no such buffer");
+  return buffers_[id].data.get();
+}
+
+int64_t Executor::buffer_size(int id) const {
+  if (id < 0 || id >= (int)buffers_.size()) throw std::out_of_range("no such buffer");
+  return buffers_[id].size;
+}
+
+namespace {
+
+const char* kOpNames[OP_COUNT] = {"embed", "rmsnorm", "matmul", "rope", "kv_write",
+                                  "attention", "swiglu", "add", "gather"};
+
+// Bytes each operand is read/written at most, for the largest step.
+// Order: x, x2, w, w2, out, out2.
+void operand_extents(const Op& op, const ExecConfig& c, int64_t ext[6]) {
+  for (int i = 0; i < 6; ++i) ext[i] = 0;
+  const int64_t T = c.max_tokens;
+  const int64_t M = op.rows == ROWS_TOKENS ? T : op.rows == ROWS_OUT ? c.max_out : op.rows;
+  const int64_t f = sizeof(float);
+  switch (op.kind) {
+    case OP_EMBED: ext[2] = 1; ext[4] = T * op.i[0] * f; break;  // table: checked per token in run
+    case OP_RMSNORM: ext[0] = ext[4] = M * op.i[0] * f; ext[2] = op.i[0] * f; break;
+    case OP_MATMUL:
+      ext[0] = M * op.i[1] * f; ext[4] = M * op.i[0] * f;
+      ext[2] = op.i[0] * row_bytes(op.wtype, op.i[1]);
+      break;
+    case OP_ROPE:
+      ext[0] = ext[4] = (T - 1) * op.i[3] * f + op.i[0] * op.i[1] * f;
+      ext[2] = ext[3] = c.max_pos * (op.i[1] / 2) * f;
+      break;
+    case OP_KV_WRITE:
+      ext[0] = ext[1] = T * op.i[0] * f;
+      ext[4] = ext[5] = c.kv_slots * op.i[0] * f;
+      break;
+    case OP_ATTENTION:
+      ext[0] = ext[4] = T * op.i[0] * op.i[2] * f;
+      ext[2] = ext[3] = c.kv_slots * op.i[1] * op.i[2] * f;
+      break;
+    case OP_SWIGLU: case OP_ADD: ext[0] = ext[1] = ext[4] = M * op.i[0] * f; break;
+    case OP_GATHER: ext[0] = T * op.i[0] * f; ext[4] = c.max_out * op.i[0] * f; break;
+  }
+}
+
+}  // namespace
+
+void Executor::add_op(Op op, const Operand opnd[6]) {
+  if (op.kind < 0 || op.kind >= OP_COUNT) throw std::invalid_argument("add_op: unknown op kind");
+  for (int k = 0; k < 6; ++k)
+    if (op.i[k] < 0) throw std::invalid_argument(std::string(kOpNames[op.kind]) + ": negative size");
+  if (op.rows < ROWS_OUT) throw std::invalid_argument("add_op: bad row code");
+  if (op.kind == OP_MATMUL || op.kind == OP_EMBED) {
+    const int64_t k = op.kind == OP_MATMUL ? op.i[1] : op.i[0];
+    if (op.wtype < F32 || op.wtype > Q4_1) throw std::invalid_argument("add_op: unknown weight type");
+    if (op.wtype >= Q8_0 && k % QK != 0)
+      throw std::invalid_argument("add_op: quantized rows need K % 32 == 0");
+    if (op.kind == OP_MATMUL && op.i[1] > cfg_.scratch_floats)
+      throw std::invalid_argument("add_op: K exceeds scratch");
+  }
+  if (op.kind == OP_ATTENTION) {
+    if (op.i[1] == 0 || op.i[0] % op.i[1] != 0 || op.i[3] == 0)
+      throw std::invalid_argument("attention: heads must be a multiple of kv_heads; block_size > 0");
+    if (op.i[3] != cfg_.block_size) throw std::invalid_argument("attention: block size differs from the pool's");
+    if ((int64_t)cfg_.max_blocks * op.i[3] > cfg_.scratch_floats)
+      throw std::invalid_argument("attention: context exceeds scratch");
+  }
+  int64_t ext[6];
+  operand_extents(op, cfg_, ext);
+  void* ptrs[6];
+  for (int k = 0; k < 6; ++k) {
+    const Operand& o = opnd[k];
+    if (o.buffer >= 0) {
+      if (o.buffer >= (int)buffers_.size()) throw std::invalid_argument("add_op: no such buffer");
+      if (o.offset < 0 || o.offset % 4 != 0 || o.offset + ext[k] > buffers_[o.buffer].size)
+        throw std::invalid_argument(std::string(kOpNames[op.kind]) + ": operand " + std::to_string(k) +
+                                    " out of its buffer");
+      ptrs[k] = buffers_[o.buffer].data.get() + o.offset;
+    } else {
+      if (ext[k] > 0 && (o.ptr == nullptr || o.nbytes < ext[k]))
+        throw std::invalid_argument(std::string(kOpNames[op.kind]) + ": operand " + std::to_string(k) +
+                                    " missing or too small (" + std::to_string(o.nbytes) + " < " +
+                                    std::to_string(ext[k]) + " bytes)");
+      ptrs[k] = const_cast<void*>(o.ptr);
+    }
+  }
+  if (op.kind == OP_EMBED) op.i[5] = opnd[2].nbytes / row_bytes(op.wtype, op.i[0]);  // table rows
+  op.x = (float*)ptrs[0];
+  op.x2 = (const float*)ptrs[1];
+  op.w = ptrs[2];
+  op.w2 = ptrs[3];
+  op.out = (float*)ptrs[4];
+  op.out2 = (float*)ptrs[5];
+  ops_.push_back(op);
+}
+
+void Executor::run(int n_tokens, const int32_t* tokens, const int32_t* positions, const int32_t* slots,
+                   const int32_t* seq_of_token, int n_seqs, const int32_t* block_tables, int max_blocks,
+                   int n_out, const int32_t* out_rows) {
+  // Validate everything a kernel will index with, before any kernel runs.
+  if (n_tokens < 1 || n_tokens > cfg_.max_tokens) throw std::invalid_argument("run: bad token count");
+  if (n_seqs < 1 || n_seqs > cfg_.max_seqs) throw std::invalid_argument("run: bad sequence count");
+  if (max_blocks < 1 || max_blocks > cfg_.max_blocks) throw std::invalid_argument("run: bad block-table width");
+  if (n_out < 0 || n_out > n_tokens || n_out > cfg_.max_out) throw std::invalid_argument("run: bad output row count");
+  int64_t vocab_rows = -1;
+  for (const Op& op : ops_)
+    if (op.kind == OP_EMBED) vocab_rows = op.i[5];
+  // Attention reads block_tables[s][j / block_size] for j <= position.
+  const int64_t ctx_limit = (int64_t)max_blocks * cfg_.block_size;
+  const int64_t n_blocks = cfg_.kv_slots / cfg_.block_size;
+  for (int t = 0; t < n_tokens; ++t) {
+    if (vocab_rows >= 0 && (tokens[t] < 0 || tokens[t] >= vocab_rows))
+      throw std::invalid_argument("run: token id " + std::to_string(tokens[t]) + " out of vocabulary");
+    if (positions[t] < 0 || positions[t] >= cfg_.max_pos || positions[t] >= ctx_limit)
+      throw std::invalid_argument("run: position " + std::to_string(positions[t]) + " out of range");
+    if (slots[t] < 0 || slots[t] >= cfg_.kv_slots) throw std::invalid_argument("run: KV slot out of range");
+    if (seq_of_token[t] < 0 || seq_of_token[t] >= n_seqs) throw std::invalid_argument("run: bad sequence index");
+  }
+  for (int64_t k = 0; k < (int64_t)n_seqs * max_blocks; ++k)
+    if (block_tables[k] < 0 || block_tables[k] >= n_blocks) throw std::invalid_argument("run: block id out of range");
+  for (int r = 0; r < n_out; ++r)
+    if (out_rows[r] < 0 || out_rows[r] >= n_tokens) throw std::invalid_argument("run: bad output row");
+  std::memcpy(tokens_.data(), tokens, n_tokens * sizeof(int32_t));
+  std::memcpy(positions_.data(), positions, n_tokens * sizeof(int32_t));
+  std::memcpy(slots_.data(), slots, n_tokens * sizeof(int32_t));
+  std::memcpy(seq_of_token_.data(), seq_of_token, n_tokens * sizeof(int32_t));
+  std::memcpy(out_rows_.data(), out_rows, n_out * sizeof(int32_t));
+  std::memcpy(block_tables_.data(), block_tables, (size_t)n_seqs * max_blocks * sizeof(int32_t));
+  ctx_.n_tokens = n_tokens;
+  ctx_.n_out = n_out;
+  ctx_.n_seqs = n_seqs;
+  ctx_.max_blocks = max_blocks;
+  ctx_.tokens = tokens_.data();
+  ctx_.positions = positions_.data();
+  ctx_.slots = slots_.data();
+  ctx_.seq_of_token = seq_of_token_.data();
+  ctx_.block_tables = block_tables_.data();
+  ctx_.out_rows = out_rows_.data();
+  pool_->run(&Executor::job, this);
+}
+
+void Executor::job(void* self, int ith, int nth) {
+  Executor* e = (Executor*)self;
+  const KernelFn* fn = e->table_->fn;
+  const size_t n = e->ops_.size();
+  for (size_t k = 0; k < n; ++k) {
+    const Op& op = e->ops_[k];
+    fn[op.kind](op, e->ctx_, ith, nth);
+    if (k + 1 < n) e->pool_->barrier();
+  }
+}
+
+}  // namespace lj

@@ -1,0 +1,48 @@
+// threadpool.h — a persistent pool of worker threads with a spinning barrier.
+//
+// Why this shape: a decode step of a small model is ~300 tiny ops; creating
+// threads or sleeping in the kernel between ops would cost more than the ops.
+// So workers are created once, spin briefly (then sleep on a futex via
+// std::atomic::wait) between jobs, and ops inside one job are separated by a
+// user-space barrier. The calling thread is worker 0, so nth threads means
+// nth-1 extra OS threads.
+#pragma once
+#include <atomic>
+#include <cstdint>
+#include <thread>
+#include <vector>
+
+namespace lj {
+
+class ThreadPool {
+ public:
+  using JobFn = void (*)(void* ctx, int ith, int nth);
+
+  explicit ThreadPool(int n_threads);
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int size() const { return nth_; }
+  // Runs fn(ctx, ith, nth) on every thread; returns when all have finished.
+  void run(JobFn fn, void* ctx);
+  // Called by all nth threads inside a job: none passes until all arrive.
+  void barrier();
+
+ private:
+  void worker(int ith);
+
+  int nth_;
+  std::vector<std::thread> threads_;
+  JobFn fn_ = nullptr;
+  void* ctx_ = nullptr;
+  // NOTE: job_gen_ is bumped (release) after fn_/ctx_ are written; workers
+  // read them only after observing the new generation (acquire).
+  std::atomic<uint32_t> job_gen_{0};
+  std::atomic<int> done_{0};
+  std::atomic<bool> stop_{false};
+  alignas(64) std::atomic<int> bar_count_{0};
+  alignas(64) std::atomic<uint32_t> bar_gen_{0};
+};
+
+}  // namespace lj

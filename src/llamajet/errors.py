@@ -1,0 +1,27 @@
+"""The exceptions llamajet raises on bad input.
+
+Every user-facing failure (a missing file, a malformed checkpoint, an
+unsupported architecture, a prompt that cannot be served) is one of these, so
+callers can catch ``LlamajetError`` and nothing else. Messages name the file,
+field or value at fault.
+"""
+
+
+class LlamajetError(Exception):
+    """Base class of every error llamajet raises on purpose."""
+
+
+class ModelFormatError(LlamajetError, ValueError):
+    """A checkpoint file is missing, truncated, malformed or inconsistent."""
+
+
+class UnsupportedModelError(LlamajetError, ValueError):
+    """The checkpoint is well formed but asks for something llamajet cannot honour."""
+
+
+class TokenizerError(LlamajetError, ValueError):
+    """No usable tokenizer could be built from the given path."""
+
+
+class RequestError(LlamajetError, ValueError):
+    """A generation request that cannot be served (empty prompt, too long, bad params)."""

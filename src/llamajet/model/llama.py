@@ -1,0 +1,102 @@
+"""The Llama-3 forward pass as a graph of named ops.
+
+Reads like the paper: per block,
+    h = x + o_proj(attention(rope(q_proj(norm(x))), rope(k_proj(...)), v_proj(...)))
+    x = h + down(silu(gate(norm(h))) * up(norm(h)))
+then the final norm and the LM head on the rows whose logits are wanted.
+Nothing here runs: it only describes. Names follow GGUF (``blk.3.attn_q``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from llamajet.config import ModelConfig
+from llamajet.graph.ir import Constant, Graph
+
+
+def rope_tables(cfg: ModelConfig, max_pos: int) -> tuple[Constant, Constant]:
+    """cos/sin of position * inv_freq, [max_pos, head_dim/2] fp32.
+
+    Angles are formed in float64 and rounded once, so positions in the
+    thousands keep full fp32 accuracy (HF forms them in fp32; the difference is
+    below fp32 resolution of the rotated values, ~1e-7 relative)."""
+    inv_freq = cfg.rope_inv_freq()
+    ang = np.outer(np.arange(max_pos, dtype=np.float64), inv_freq)
+    return (Constant("rope_cos", np.ascontiguousarray(np.cos(ang), np.float32)),
+            Constant("rope_sin", np.ascontiguousarray(np.sin(ang), np.float32)))
+
+
+def build_graph(cfg: ModelConfig, weights: dict, max_pos: int) -> Graph:
+    """The whole-step graph for any mix of prefill and decode tokens.
+
+    `weights` maps canonical names to loader WeightTensors; `max_pos` sizes
+    the RoPE tables (the longest context this engine will serve)."""
+    g = Graph()
+    D, F = cfg.hidden_size, cfg.intermediate_size
+    H, KVH, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    cos, sin = rope_tables(cfg, max_pos)
+    g.weight(cos.name, cos)
+    g.weight(sin.name, sin)
+
+    def w(name: str) -> str:
+        return g.weight(name, weights[name])
+
+    def act(name: str, *shape) -> str:
+        return g.tensor(name, shape)
+
+    tokens = g.tensor("tokens", ("T",), "i32", kind="input")
+    x = act("embd", "T", D)
+    g.add("token_embd", "embed", [w("token_embd"), tokens], [x])
+
+    for i in range(cfg.num_layers):
+        p = f"blk.{i}"
+        # -- attention
+        h = act(f"{p}.attn_norm.out", "T", D)
+        g.add(f"{p}.attn_norm", "rmsnorm", [x, w(f"{p}.attn_norm")], [h], eps=cfg.rms_norm_eps)
+        q = act(f"{p}.attn_q.out", "T", H * hd)
+        k = act(f"{p}.attn_k.out", "T", KVH * hd)
+        v = act(f"{p}.attn_v.out", "T", KVH * hd)
+        for proj, out in (("attn_q", q), ("attn_k", k), ("attn_v", v)):
+            g.add(f"{p}.{proj}", "matmul", [h, w(f"{p}.{proj}")], [out])
+        qr = act(f"{p}.rope_q.out", "T", H * hd)
+        kr = act(f"{p}.rope_k.out", "T", KVH * hd)
+        for name, src, dst, heads, wn in (("rope_q", q, qr, H, "attn_q"), ("rope_k", k, kr, KVH, "attn_k")):
+            g.add(f"{p}.{name}", "rope", [src, cos.name, sin.name], [dst], heads=heads, head_dim=hd,
+                  interleaved=bool(getattr(weights[f"{p}.{wn}"], "rope_interleaved", False)))
+        kv = g.tensor(f"{p}.kv", (), kind="state")
+        g.add(f"{p}.kv_write", "kv_write", [kr, v], [kv], layer=i)
+        a = act(f"{p}.attn.out", "T", H * hd)
+        g.add(f"{p}.attn", "attention", [qr, kv], [a], layer=i, heads=H, kv_heads=KVH, head_dim=hd,
+              scale=1.0 / float(np.sqrt(hd)))
+        o = act(f"{p}.attn_output.out", "T", D)
+        g.add(f"{p}.attn_output", "matmul", [a, w(f"{p}.attn_output")], [o])
+        x_attn = act(f"{p}.attn_residual.out", "T", D)
+        g.add(f"{p}.attn_residual", "add", [x, o], [x_attn])
+        # -- feed-forward (SwiGLU)
+        h2 = act(f"{p}.ffn_norm.out", "T", D)
+        g.add(f"{p}.ffn_norm", "rmsnorm", [x_attn, w(f"{p}.ffn_norm")], [h2], eps=cfg.rms_norm_eps)
+        gate = act(f"{p}.ffn_gate.out", "T", F)
+        up = act(f"{p}.ffn_up.out", "T", F)
+        g.add(f"{p}.ffn_gate", "matmul", [h2, w(f"{p}.ffn_gate")], [gate])
+        g.add(f"{p}.ffn_up", "matmul", [h2, w(f"{p}.ffn_up")], [up])
+        s = act(f"{p}.ffn_swiglu.out", "T", F)
+        g.add(f"{p}.ffn_swiglu", "swiglu", [gate, up], [s])
+        d = act(f"{p}.ffn_down.out", "T", D)
+        g.add(f"{p}.ffn_down", "matmul", [s, w(f"{p}.ffn_down")], [d])
+        x_out = act(f"{p}.ffn_residual.out", "T", D)
+        g.add(f"{p}.ffn_residual", "add", [x_attn, d], [x_out])
+        x = x_out
+
+    # -- head: only the rows whose logits are wanted (the last token of each
+    # sequence while generating; every row when scoring)
+    xo = act("output_gather.out", "O", D)
+    g.add("output_gather", "gather", [x], [xo])
+    n = act("output_norm.out", "O", D)
+    g.add("output_norm", "rmsnorm", [xo, w("output_norm")], [n], eps=cfg.rms_norm_eps)
+    head = "output" if "output" in weights else "token_embd"  # tied embeddings
+    logits = act("logits", "O", cfg.vocab_size)
+    g.add("output", "matmul", [n, w(head)], [logits])
+    g.outputs.append(logits)
+    g.verify()
+    return g

@@ -1,0 +1,57 @@
+"""The bridge to the C++ core: the only module that imports ``llamajet._core``.
+
+Constants here mirror ``csrc/common.h`` (op kinds, storage types, row codes);
+``Executor`` is the C++ executor; ``ref`` holds the numpy twin of every op.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from llamajet import _core
+from llamajet.ops.dispatch import default_threads, resolve_isa, supported_isas
+
+Executor = _core.Executor
+cpu_features = _core.cpu_features
+
+# Storage types (csrc/common.h DType).
+DTYPES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 5}
+QUANT_BLOCK = 32  # elements per GGML block
+_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+
+# Op kinds (csrc/common.h OpKind).
+OPS = {
+    "embed": 0,
+    "rmsnorm": 1,
+    "matmul": 2,
+    "rope": 3,
+    "kv_write": 4,
+    "attention": 5,
+    "swiglu": 6,
+    "add": 7,
+    "gather": 8,
+}
+
+# Leading-dimension codes resolved per step by the executor.
+ROWS_TOKENS = -1
+ROWS_OUT = -2
+
+
+def row_bytes(dtype: str, k: int) -> int:
+    """Bytes one row of k elements takes in storage type `dtype`."""
+    if dtype in _BLOCK_BYTES:
+        if k % QUANT_BLOCK:
+            raise ValueError(f"{dtype} rows need a multiple of {QUANT_BLOCK} elements, got {k}")
+        return k // QUANT_BLOCK * _BLOCK_BYTES[dtype]
+    return k * {"f32": 4, "f16": 2, "bf16": 2}[dtype]
+
+
+def i32(a) -> np.ndarray:
+    """A C-contiguous int32 array, as the executor's step inputs require."""
+    return np.ascontiguousarray(a, dtype=np.int32)
+
+
+__all__ = [
+    "DTYPES", "Executor", "OPS", "QUANT_BLOCK", "ROWS_OUT", "ROWS_TOKENS", "cpu_features",
+    "default_threads", "i32", "resolve_isa", "row_bytes", "supported_isas",
+]

@@ -1,0 +1,68 @@
+"""Kernel-tier choice and thread count: decided once, here and only here.
+
+The tier is the best ISA the CPU and OS support (cpuid + XCR0, read by the
+C++ core). ``LLAMAJET_ISA=ref|avx2|avx512`` forces a lower tier so tests can
+run every path this machine has; asking for a tier the CPU lacks is an error,
+not a silent fallback.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+from llamajet import _core
+from llamajet.errors import LlamajetError
+
+ISA_ORDER = ("ref", "avx2", "avx512")
+# Accepted spellings of the override.
+_ALIASES = {"scalar": "ref", "ref": "ref", "avx2": "avx2", "avx512": "avx512", "avx-512": "avx512"}
+
+
+def supported_isas() -> list[str]:
+    """ISAs this CPU can run, lowest first."""
+    return list(_core.supported_isas())
+
+
+def resolve_isa(requested: str | None = None) -> str:
+    """The ISA to use: `requested`, else $LLAMAJET_ISA, else the best supported."""
+    name = requested if requested is not None else os.environ.get("LLAMAJET_ISA", "")
+    supported = supported_isas()
+    if not name:
+        return supported[-1]
+    isa = _ALIASES.get(name.strip().lower())
+    if isa is None:
+        raise LlamajetError(f"unknown ISA {name!r} (LLAMAJET_ISA): use one of scalar, avx2, avx512")
+    if isa not in supported:
+        raise LlamajetError(f"ISA {isa!r} requested but this CPU supports only {', '.join(supported)}")
+    return isa
+
+
+@lru_cache(maxsize=1)
+def physical_cores() -> int:
+    """Physical cores available to this process (SMT siblings counted once).
+
+    Matmul threads sharing a core compete for the same FMA units, so the
+    default thread count is the number of distinct (package, core) pairs
+    among the CPUs this process may run on.
+    """
+    try:
+        allowed = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+    cores = set()
+    for cpu in allowed:
+        base = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+        try:
+            with open(f"{base}/physical_package_id") as f:
+                pkg = f.read().strip()
+            with open(f"{base}/core_id") as f:
+                core = f.read().strip()
+            cores.add((pkg, core))
+        except OSError:
+            cores.add(("?", str(cpu)))
+    return max(1, len(cores))
+
+
+def default_threads() -> int:
+    return physical_cores()
