@@ -8,7 +8,8 @@ one after another here; the batched scheduler extends this loop.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
@@ -27,12 +28,25 @@ class StreamEvent:
     finish_reason: str | None = None
 
 
+@dataclass
+class RequestStats:
+    """Wall-clock split of the last request: prefill (prompt -> first logits)
+    and decode (every later step), for `llamajet generate --stats`."""
+
+    prompt_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
 class Engine:
     def __init__(self, runner: ModelRunner, tokenizer) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         self.blocks = BlockManager(runner.num_blocks, runner.block_size)
         self._all_rows = np.arange(runner.max_out, dtype=np.int32)
+        self.last_stats = RequestStats()
 
     @property
     def max_model_len(self) -> int:
@@ -114,8 +128,11 @@ class Engine:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= set(self.tokenizer.stop_ids)
+        stats = self.last_stats = RequestStats(prompt_tokens=len(prompt_ids))
         try:
+            t0 = time.perf_counter()
             logits = self._prefill(seq, seq.prompt_ids)
+            stats.prefill_s = time.perf_counter() - t0
             while True:
                 tok = sampler(logits, seq.all_ids)
                 if tok in stop_ids:
@@ -129,7 +146,10 @@ class Engine:
                     yield tok, "length"
                     return
                 yield tok, None
+                t0 = time.perf_counter()
                 logits = self._run(seq, [tok], n - 1, self._all_rows[:1])[0]
+                stats.decode_s += time.perf_counter() - t0
+                stats.decode_tokens += 1
         finally:
             self.blocks.free(seq.block_table)
 

@@ -1,0 +1,154 @@
+"""The ``llamajet`` command: generate | chat | info.
+
+Flags mirror the API: --model is LLM(path), sampling flags are
+SamplingParams fields, --threads / --isa / --max-model-len are LLM options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+
+from llamajet.errors import LlamajetError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=None,
+                   help="HF folder or .gguf file (default: SmolLM2-135M-Instruct Q4_1, installed from PyPI)")
+    p.add_argument("--threads", "-t", type=int, default=None, help="compute threads (default: physical cores)")
+    p.add_argument("--isa", default=None, help="force a kernel tier: scalar|avx2|avx512 (default: best)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length served")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
+    p.add_argument("--max-tokens", "-n", type=int, default=128, help="new tokens at most")
+    p.add_argument("--temperature", type=float, default=temperature, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _params(a):
+    from llamajet.engine.sampling import SamplingParams
+
+    return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k,
+                          top_p=a.top_p, min_p=a.min_p, repetition_penalty=a.repetition_penalty,
+                          seed=a.seed)
+
+
+def _llm(a):
+    from llamajet.api import LLM
+
+    return LLM(a.model, n_threads=a.threads, isa=a.isa, max_model_len=a.max_model_len)
+
+
+def cmd_generate(a) -> int:
+    params = _params(a)  # validate flags before loading the model
+    llm = _llm(a)
+    for ev in llm.stream(a.prompt, params):
+        sys.stdout.write(ev.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    if a.stats:
+        s = llm.engine.last_stats
+        pre = s.prompt_tokens / s.prefill_s if s.prefill_s else float("nan")
+        dec = s.decode_tokens / s.decode_s if s.decode_s else float("nan")
+        print(f"[llamajet] isa={llm.isa} threads={llm.n_threads} prompt={s.prompt_tokens} tok "
+              f"prefill={pre:.1f} tok/s  decode={s.decode_tokens} tok at {dec:.1f} tok/s", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(a) -> int:
+    params = _params(a)
+    llm = _llm(a)
+    messages: list[dict] = []
+    if a.system:
+        messages.append({"role": "system", "content": a.system})
+    print(f"llamajet chat — {llm.path.name} ({llm.isa}, {llm.n_threads} threads). "
+          "Empty line or Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        try:
+            ids = llm.chat_ids(messages)
+            reply = []
+            for ev in llm.engine.stream(ids, params):
+                sys.stdout.write(ev.text)
+                sys.stdout.flush()
+                reply.append(ev.text)
+        except LlamajetError as e:  # e.g. the conversation outgrew the context
+            print(f"\nerror: {e}", file=sys.stderr)
+            messages.pop()
+            continue
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def cmd_info(a) -> int:
+    import importlib.metadata as md
+
+    from llamajet import ops
+
+    feats = ops.cpu_features()
+    print(f"cpu:        {feats.pop('brand').strip()}")
+    print("features:   " + " ".join(k for k, v in feats.items() if v))
+    print(f"isas:       {', '.join(ops.supported_isas())}")
+    print(f"isa chosen: {ops.resolve_isa(a.isa)}")
+    print(f"threads:    {ops.default_threads()} (physical cores)")
+    print(f"python:     {platform.python_version()}")
+    for pkg in ("llamajet", "numpy", "tokenizers", "gguf", "jinja2"):
+        try:
+            print(f"{pkg + ':':12s}{md.version(pkg)}")
+        except md.PackageNotFoundError:
+            print(f"{pkg + ':':12s}not installed")
+    try:
+        from llamajet.models import default_model_path
+
+        print(f"default model: {default_model_path()}")
+    except LlamajetError as e:
+        print(f"default model: {e}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="llamajet", description="LLaMA-3 inference on CPUs")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="continue a prompt")
+    _add_model_args(g)
+    _add_sampling_args(g, temperature=0.0)
+    g.add_argument("--stats", action="store_true", help="print prefill/decode speed to stderr")
+    g.add_argument("prompt")
+    g.set_defaults(fn=cmd_generate)
+    c = sub.add_parser("chat", help="multi-turn chat (streams the reply)")
+    _add_model_args(c)
+    _add_sampling_args(c, temperature=0.7)
+    c.add_argument("--system", default=None, help="system prompt")
+    c.set_defaults(fn=cmd_chat)
+    i = sub.add_parser("info", help="CPU features, chosen ISA, threads, versions")
+    i.add_argument("--isa", default=None)
+    i.set_defaults(fn=cmd_info)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        return a.fn(a)
+    except LlamajetError as e:
+        print(f"llamajet: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

