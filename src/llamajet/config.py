@@ -1,0 +1,492 @@
+"""Model hyper-parameters: what a checkpoint says about the network's shape.
+
+``ModelConfig`` is built once, from a Hugging Face ``config.json``
+(``ModelConfig.from_hf``) or from GGUF metadata (``ModelConfig.from_gguf``),
+and is frozen afterwards. Everything llamajet cannot honour is refused here,
+at load time, with the field and value named — never discovered later as wrong
+logits.
+
+RoPE is described in one of two equivalent ways:
+- ``rope_scaling``: Llama-3.1's "llama3" frequency scaling, as HF configs state it;
+- ``rope_freq_factors``: one divisor per frequency, as llama.cpp stores the same
+  scaling precomputed in a GGUF ``rope_freqs`` tensor.
+``rope_inv_freq()`` turns either into the per-pair inverse frequencies.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from llamajet.errors import ModelFormatError, UnsupportedModelError
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3.1 "llama3" RoPE scaling: long wavelengths are stretched by
+    ``factor``, short ones kept, and the band between is interpolated."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self):
+        if not (math.isfinite(self.factor) and self.factor > 0):
+            raise ModelFormatError(f"rope_scaling.factor must be > 0, got {self.factor!r}")
+        if not (0 < self.low_freq_factor < self.high_freq_factor):
+            # the smoothing divides by (high - low): equal factors would divide by zero
+            raise ModelFormatError(
+                "rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
+                f"low_freq_factor={self.low_freq_factor!r}, high_freq_factor={self.high_freq_factor!r}"
+            )
+        if self.original_max_position_embeddings <= 0:
+            raise ModelFormatError(
+                "rope_scaling.original_max_position_embeddings must be > 0, got "
+                f"{self.original_max_position_embeddings!r}"
+            )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int  # query heads
+    num_kv_heads: int  # key/value heads (GQA: num_heads % num_kv_heads == 0)
+    head_dim: int  # may differ from hidden_size // num_heads when a config says so
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool  # True: the LM head reuses token_embd
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    name: str = ""  # informational only; never compared by the model
+    # llama.cpp's precomputed llama3 scaling: [head_dim // 2] divisors of inv_freq
+    rope_freq_factors: tuple[float, ...] | None = None
+
+    def __post_init__(self):
+        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                      "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ModelFormatError(f"{field} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise UnsupportedModelError(f"head_dim={self.head_dim} is odd; RoPE rotates pairs")
+        if not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0):
+            raise ModelFormatError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+        if not (math.isfinite(self.rope_theta) and self.rope_theta > 1):
+            raise ModelFormatError(f"rope_theta must be > 1, got {self.rope_theta!r}")
+        if self.rope_freq_factors is not None:
+            if self.rope_scaling is not None:
+                raise ModelFormatError("rope_scaling and rope_freq_factors are both set; give one")
+            if len(self.rope_freq_factors) != self.head_dim // 2:
+                raise ModelFormatError(
+                    f"rope_freq_factors has {len(self.rope_freq_factors)} entries, "
+                    f"expected head_dim // 2 = {self.head_dim // 2}"
+                )
+            if not all(math.isfinite(f) and f > 0 for f in self.rope_freq_factors):
+                raise ModelFormatError("rope_freq_factors must all be finite and > 0")
+        for field, ids in (("bos_token_id", () if self.bos_token_id is None else (self.bos_token_id,)),
+                           ("eos_token_ids", self.eos_token_ids)):
+            for tok in ids:
+                if not 0 <= tok < self.vocab_size:
+                    raise ModelFormatError(f"{field} {tok} is outside the vocabulary [0, {self.vocab_size})")
+
+    # --- derived sizes -------------------------------------------------------------
+
+    @property
+    def q_size(self) -> int:
+        """Width of the query projection: num_heads * head_dim."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """Width of each of the key and value projections: num_kv_heads * head_dim."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def kv_group(self) -> int:
+        """Query heads sharing one KV head."""
+        return self.num_heads // self.num_kv_heads
+
+    # --- RoPE -------------------------------------------------------------------
+
+    def rope_inv_freq(self) -> np.ndarray:
+        """float64 [head_dim // 2]: the angle per position of each rotated pair.
+
+        Unscaled: theta ** (-2i / head_dim). With llama3 scaling, the same
+        arithmetic as HF transformers' ``_compute_llama3_parameters`` (done in
+        float64 here, float32 there). With llama.cpp's factors: divided by them.
+        """
+        d = self.head_dim
+        inv_freq = 1.0 / (self.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+        if self.rope_freq_factors is not None:
+            return inv_freq / np.asarray(self.rope_freq_factors, dtype=np.float64)
+        rs = self.rope_scaling
+        if rs is None:
+            return inv_freq
+        low_freq_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+        high_freq_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        # wavelen < high_freq_wavelen: unchanged; wavelen > low_freq_wavelen: / factor
+        scaled = np.where(wavelen > low_freq_wavelen, inv_freq / rs.factor, inv_freq)
+        # in between: interpolate; the formula meets both branches at the band edges
+        smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+            rs.high_freq_factor - rs.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        return np.where(is_medium, smoothed, scaled)
+
+    # --- named constructors ---------------------------------------------------------
+
+    @classmethod
+    def from_hf(cls, path_or_dict: str | Path | Mapping[str, Any]) -> "ModelConfig":
+        """From a Hugging Face ``config.json``: a model folder, the file, or its dict.
+
+        From a folder, EOS ids in ``generation_config.json`` are added to the
+        config's (Llama-3-Instruct lists ``<|eot_id|>`` only there).
+        """
+        extra_eos: list[int] = []
+        name = ""
+        if isinstance(path_or_dict, Mapping):
+            cfg = dict(path_or_dict)
+        else:
+            path = Path(path_or_dict)
+            if path.is_dir():
+                name = path.name
+                gen_path = path / "generation_config.json"
+                path = path / "config.json"
+                if gen_path.is_file():
+                    try:
+                        extra_eos = _as_id_list(_read_json(gen_path).get("eos_token_id"), "eos_token_id")
+                    except ModelFormatError:
+                        extra_eos = []  # generation defaults are optional; a bad file is not fatal
+            cfg = _read_json(path)
+        return _parse_hf(cfg, name or str(cfg.get("_name_or_path", "")), extra_eos)
+
+    @classmethod
+    def from_gguf(cls, reader) -> "ModelConfig":
+        """From the metadata of an open ``gguf.GGUFReader`` (llama.* keys).
+
+        Tied embeddings are inferred as llama.cpp does: no ``output.weight``
+        tensor. A ``rope_freqs.weight`` tensor becomes ``rope_freq_factors``.
+        """
+        return _parse_gguf(reader)
+
+
+# =====================================================================================
+# Hugging Face config.json
+# =====================================================================================
+
+_HF_ARCHITECTURE = "LlamaForCausalLM"
+_HF_MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise ModelFormatError(f"{path}: no such file")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFormatError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ModelFormatError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _as_id_list(value, field: str) -> list[int]:
+    """An id or list of ids (HF allows both for eos_token_id) as a list."""
+    if value is None:
+        return []
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ModelFormatError(f"{field} must be an integer or a list of integers, got {value!r}")
+    return list(values)
+
+
+def _require(cfg: Mapping, key: str, kind=int):
+    if key not in cfg or cfg[key] is None:
+        raise ModelFormatError(f"config is missing required field {key!r}")
+    return _typed(cfg[key], key, kind)
+
+
+def _typed(value, key: str, kind):
+    """``value`` as ``kind`` (int or float; anything else passes through), or a
+    ModelFormatError naming ``key``. Accepts numpy scalars (GGUF metadata)."""
+    if kind not in (int, float):
+        return value
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ModelFormatError(f"{key} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+    if kind is float:
+        return float(value)
+    if not math.isfinite(value) or value != int(value):
+        raise ModelFormatError(f"{key} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _refuse_unsupported_hf(cfg: Mapping) -> None:
+    model_type = cfg.get("model_type")
+    archs = cfg.get("architectures")
+    if model_type is None and not archs:
+        raise ModelFormatError("config has neither 'model_type' nor 'architectures'")
+    if model_type is not None and model_type != "llama":
+        raise UnsupportedModelError(f"model_type={model_type!r}; only 'llama' is supported")
+    if isinstance(archs, str):
+        archs = [archs]
+    if archs:
+        other = [a for a in archs if a != _HF_ARCHITECTURE]
+        if other:
+            raise UnsupportedModelError(f"architectures={archs!r}; only {_HF_ARCHITECTURE!r} is supported")
+    act = cfg.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):  # one function, two names in transformers' ACT2FN
+        raise UnsupportedModelError(f"hidden_act={act!r}; only 'silu' is supported")
+    for key in ("attention_bias", "mlp_bias"):
+        if cfg.get(key):
+            raise UnsupportedModelError(f"{key}={cfg[key]!r}; llamajet's Llama has no biases")
+    for key in _HF_MOE_FIELDS:
+        if _typed(cfg.get(key) or 0, key, int) > 0:
+            raise UnsupportedModelError(f"{key}={cfg[key]!r}; mixture-of-experts models are not supported")
+    qc = cfg.get("quantization_config")
+    if qc:
+        method = qc.get("quant_method") if isinstance(qc, Mapping) else qc
+        raise UnsupportedModelError(
+            f"quantization_config (quant_method={method!r}); load the unquantized checkpoint "
+            "or a GGUF instead"
+        )
+
+
+def _parse_hf_rope(cfg: Mapping, max_pos: int) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) from transformers-4 (``rope_scaling`` + top-level
+    ``rope_theta``) or transformers-5 (``rope_parameters`` with theta inside) form."""
+    params: dict = {}
+    for key in ("rope_scaling", "rope_parameters"):  # v5's name wins where both say something
+        value = cfg.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, Mapping):
+            raise ModelFormatError(f"{key} must be an object or null, got {value!r}")
+        if any(isinstance(v, Mapping) for v in value.values()):
+            raise UnsupportedModelError(f"{key}={dict(value)!r}: per-layer RoPE parameters are not supported")
+        params.update(value)
+    # theta: v5 keeps it in rope_parameters, v4 at top level; 10000 is LlamaConfig's default
+    theta = (cfg.get("rope_parameters") or {}).get("rope_theta")
+    if theta is None:
+        theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+    theta = _typed(theta, "rope_theta", float)
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise UnsupportedModelError(f"partial_rotary_factor={partial!r}; RoPE must cover the whole head")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in (None, "default"):
+        return theta, None
+    if rope_type != "llama3":
+        raise UnsupportedModelError(
+            f"rope_scaling type {rope_type!r}; only 'default' and 'llama3' are supported"
+        )
+    def need(key: str, kind):
+        if params.get(key) is None:
+            raise ModelFormatError(f"llama3 rope_scaling is missing {key!r}")
+        return _typed(params[key], f"rope_scaling.{key}", kind)
+    orig = params.get("original_max_position_embeddings")
+    scaling = RopeScaling(
+        factor=need("factor", float),
+        low_freq_factor=need("low_freq_factor", float),
+        high_freq_factor=need("high_freq_factor", float),
+        # transformers documents this fallback for a missing value
+        original_max_position_embeddings=max_pos if orig is None
+        else _typed(orig, "rope_scaling.original_max_position_embeddings", int),
+    )
+    return theta, scaling
+
+
+def _parse_hf(cfg: Mapping, name: str, extra_eos: list[int]) -> ModelConfig:
+    _refuse_unsupported_hf(cfg)
+    hidden = _require(cfg, "hidden_size")
+    num_heads = _require(cfg, "num_attention_heads")
+    head_dim = cfg.get("head_dim")
+    if head_dim is None:
+        if hidden % num_heads:
+            raise ModelFormatError(
+                f"hidden_size={hidden} is not divisible by num_attention_heads={num_heads} and no head_dim is given"
+            )
+        head_dim = hidden // num_heads
+    # Defaults below are LlamaConfig's, so a sparse config means what it means to transformers.
+    max_pos = _typed(cfg.get("max_position_embeddings", 2048), "max_position_embeddings", int)
+    theta, scaling = _parse_hf_rope(cfg, max_pos)
+    eos: list[int] = []
+    for tok in _as_id_list(cfg.get("eos_token_id"), "eos_token_id") + extra_eos:
+        if tok not in eos:
+            eos.append(tok)
+    bos = _as_id_list(cfg.get("bos_token_id"), "bos_token_id")
+    return ModelConfig(
+        vocab_size=_require(cfg, "vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=_require(cfg, "intermediate_size"),
+        num_layers=_require(cfg, "num_hidden_layers"),
+        num_heads=num_heads,
+        num_kv_heads=_typed(cfg.get("num_key_value_heads") or num_heads, "num_key_value_heads", int),
+        head_dim=_typed(head_dim, "head_dim", int),
+        rms_norm_eps=_typed(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", float),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        bos_token_id=bos[0] if bos else None,
+        eos_token_ids=tuple(eos),
+        name=name,
+    )
+
+
+# =====================================================================================
+# GGUF metadata
+# =====================================================================================
+
+_GGUF_ROPE_FREQS = "rope_freqs.weight"
+
+
+def _f32_to_decimal(x: float) -> float:
+    """GGUF stores floats as float32 (1e-5 becomes 9.99999974e-06). The writer
+    meant the shortest decimal that rounds to that float32, so recover it: an
+    HF and a GGUF copy of one model then agree exactly."""
+    return float(str(np.float32(x)))
+
+
+class _Meta:
+    """Typed access to ``reader.fields``, naming the key in every error."""
+
+    def __init__(self, reader):
+        self.fields = reader.fields
+
+    def has(self, key: str) -> bool:
+        return key in self.fields
+
+    def get(self, key: str, kind, default=None):
+        field = self.fields.get(key)
+        if field is None:
+            return default
+        try:
+            value = field.contents()
+        except Exception as e:  # a malformed field: surface as a format error
+            raise ModelFormatError(f"GGUF metadata {key!r} is unreadable ({e})") from e
+        if kind is str:
+            if not isinstance(value, str):
+                raise ModelFormatError(f"GGUF metadata {key!r} must be a string, got {value!r}")
+            return value
+        if isinstance(value, list):
+            raise UnsupportedModelError(f"GGUF metadata {key!r} is a per-layer array {value!r}; not supported")
+        value = _typed(value, f"GGUF metadata {key!r}", kind)
+        if kind is float and [t.name for t in field.types] == ["FLOAT32"]:
+            value = _f32_to_decimal(value)
+        return value
+
+    def require(self, key: str, kind):
+        value = self.get(key, kind)
+        if value is None:
+            raise ModelFormatError(f"GGUF metadata is missing required key {key!r}")
+        return value
+
+    def array_len(self, key: str) -> int | None:
+        field = self.fields.get(key)
+        return None if field is None else len(field.data)  # no need to decode the strings
+
+
+def _gguf_rope_freq_factors(reader, head_dim: int) -> tuple[float, ...] | None:
+    for t in reader.tensors:
+        if t.name == _GGUF_ROPE_FREQS:
+            if t.tensor_type.name not in ("F32", "F16"):
+                raise ModelFormatError(f"{_GGUF_ROPE_FREQS} has type {t.tensor_type.name}; expected F32")
+            values = np.asarray(t.data, dtype=np.float64).reshape(-1)
+            if values.size != head_dim // 2:
+                raise ModelFormatError(
+                    f"{_GGUF_ROPE_FREQS} has {values.size} entries, expected head_dim // 2 = {head_dim // 2}"
+                )
+            return tuple(float(v) for v in values)
+    return None
+
+
+def _parse_gguf(reader) -> ModelConfig:
+    meta = _Meta(reader)
+    arch = meta.require("general.architecture", str)
+    if arch != "llama":
+        raise UnsupportedModelError(f"general.architecture={arch!r}; only 'llama' is supported")
+    p = "llama."
+    experts = meta.get(p + "expert_count", int, 0)
+    if experts > 0:
+        raise UnsupportedModelError(f"{p}expert_count={experts}; mixture-of-experts models are not supported")
+
+    hidden = meta.require(p + "embedding_length", int)
+    num_heads = meta.require(p + "attention.head_count", int)
+    num_kv_heads = meta.get(p + "attention.head_count_kv", int, num_heads)
+    rope_dims = meta.get(p + "rope.dimension_count", int)
+    # head_dim as llama.cpp derives it: key_length, else hidden / heads
+    head_dim = meta.get(p + "attention.key_length", int)
+    if head_dim is None:
+        if num_heads > 0 and hidden % num_heads == 0:
+            head_dim = hidden // num_heads
+        elif rope_dims is not None:
+            head_dim = rope_dims
+        else:
+            raise ModelFormatError(f"{p}embedding_length={hidden} is not divisible by "
+                                   f"{p}attention.head_count={num_heads} and no key_length is given")
+    value_dim = meta.get(p + "attention.value_length", int, head_dim)
+    if value_dim != head_dim:
+        raise UnsupportedModelError(f"{p}attention.value_length={value_dim} differs from key_length={head_dim}")
+    if rope_dims is not None and rope_dims != head_dim:
+        raise UnsupportedModelError(
+            f"{p}rope.dimension_count={rope_dims} differs from head_dim={head_dim} (partial RoPE)"
+        )
+
+    # Rope scaling: llama.cpp writes "llama3" as a rope_freqs tensor; the
+    # keyed kinds (linear, yarn, longrope) are ones we do not implement.
+    scaling_type = meta.get(p + "rope.scaling.type", str, "none")
+    if scaling_type != "none":
+        raise UnsupportedModelError(f"{p}rope.scaling.type={scaling_type!r}; not supported")
+    for key in (p + "rope.scaling.factor", p + "rope.scale_linear"):
+        factor = meta.get(key, float)
+        if factor is not None and factor not in (0.0, 1.0):  # 0 and 1 both mean "no scaling"
+            raise UnsupportedModelError(f"{key}={factor!r}; linear RoPE scaling is not supported")
+
+    vocab = meta.array_len("tokenizer.ggml.tokens") or meta.get(p + "vocab_size", int)
+    if vocab is None:
+        embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        if embd is None:
+            raise ModelFormatError("GGUF has no tokenizer.ggml.tokens, llama.vocab_size or token_embd.weight")
+        vocab = int(embd.shape[-1])  # GGUF dims are reversed: [hidden, vocab]
+
+    eos: list[int] = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        tok = meta.get(key, int)
+        if tok is not None and tok not in eos:
+            eos.append(tok)
+    names = {t.name for t in reader.tensors}
+    return ModelConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=meta.require(p + "feed_forward_length", int),
+        num_layers=meta.require(p + "block_count", int),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=meta.require(p + "attention.layer_norm_rms_epsilon", float),
+        rope_theta=meta.get(p + "rope.freq_base", float, 10000.0),  # llama.cpp's default
+        rope_scaling=None,
+        max_position_embeddings=meta.require(p + "context_length", int),
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id", int),
+        eos_token_ids=tuple(eos),
+        name=meta.get("general.name", str, ""),
+        rope_freq_factors=_gguf_rope_freq_factors(reader, head_dim),
+    )

@@ -1,0 +1,88 @@
+"""GGUF files, through ``gguf.GGUFReader`` (which memory-maps the file; each
+``ReaderTensor.data`` is a view of that map).
+
+- F32, F16, BF16, Q8_0, Q4_0, Q4_1: kept as views, bytes exactly as in the file.
+- Other formats ``gguf.quants`` can decode (Q4_K, Q5_K, Q6_K, Q5_0, ...):
+  dequantized to f32 at load, a copy; the quantizer can re-pack them later.
+- attn_q / attn_k stay in llama.cpp's interleaved RoPE row order, marked
+  ``rope_interleaved=True``; nothing is permuted.
+- GGUF lists dims fastest first (ne0 = K); ``WeightTensor.shape`` is [N, K].
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from llamajet.config import ModelConfig
+from llamajet.errors import ModelFormatError, UnsupportedModelError
+from llamajet.loaders import LoadedModel, WeightTensor, check_weights
+from llamajet.loaders.names import canonical_to_gguf, gguf_to_canonical, is_rope_rotated
+
+_Q = gguf.GGMLQuantizationType
+# GGML types the kernels read as they are -> our storage dtype
+_RAW = {_Q.F32: "f32", _Q.F16: "f16", _Q.BF16: "bf16", _Q.Q8_0: "q8_0", _Q.Q4_0: "q4_0", _Q.Q4_1: "q4_1"}
+# integer tensor types are never weights of a float model
+_NOT_WEIGHTS = {_Q.I8, _Q.I16, _Q.I32, _Q.I64}
+
+
+def open_reader(path: Path) -> gguf.GGUFReader:
+    """Open ``path`` with GGUFReader; any failure on a truncated or corrupt file
+    (the reader raises ValueError, IndexError, KeyError, ...) is a ModelFormatError."""
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:
+        raise ModelFormatError(f"{path}: not a readable GGUF file, truncated or corrupt "
+                               f"({type(e).__name__}: {e})") from e
+    if reader.byte_order != "I":
+        raise UnsupportedModelError(f"{path}: GGUF written for the other byte order (big-endian)")
+    size = len(reader.data)
+    for t in reader.tensors:
+        # the reader's slicing clips at the file end, so check the extent explicitly
+        if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
+            raise ModelFormatError(f"{path}: tensor {t.name!r} runs past the end of the file; truncated?")
+    return reader
+
+
+def _weight(t, canonical: str, path: Path) -> WeightTensor:
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # ne0 last: [N, K]
+    qtype = t.tensor_type
+    interleaved = is_rope_rotated(canonical)
+    if qtype in _RAW:
+        data = t.data
+        if qtype == _Q.BF16:
+            data = data.view(np.uint16)  # the reader exposes bf16 as bytes: [..., 2K] u8 -> [..., K] u16
+        # block formats arrive as [N, row bytes] u8, exactly WeightTensor's storage shape
+        return WeightTensor(canonical, _RAW[qtype], shape, data, rope_interleaved=interleaved)
+    if qtype in _NOT_WEIGHTS:
+        raise UnsupportedModelError(f"{path}: tensor {t.name!r} has integer type {qtype.name}")
+    try:
+        f32 = gguf.quants.dequantize(t.data, qtype)
+    except NotImplementedError as e:
+        raise UnsupportedModelError(f"{path}: tensor {t.name!r} has type {qtype.name}, which llamajet "
+                                    "cannot read") from e
+    data = np.ascontiguousarray(f32, dtype=np.float32).reshape(shape)
+    data.setflags(write=False)  # weights are read-only, copies like views
+    return WeightTensor(canonical, "f32", shape, data, rope_interleaved=interleaved)
+
+
+def load_gguf(path: str | Path) -> LoadedModel:
+    """Load a Llama GGUF; weights are views of the reader's memory map."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelFormatError(f"{path}: no such file")
+    reader = open_reader(path)
+    try:
+        config = ModelConfig.from_gguf(reader)
+    except (ModelFormatError, UnsupportedModelError) as e:
+        raise type(e)(f"{path}: {e}") from e
+
+    weights: dict[str, WeightTensor] = {}
+    for t in reader.tensors:
+        canonical = gguf_to_canonical(t.name)
+        if canonical is not None:  # rope_freqs is in config; other extras are not ours
+            weights[canonical] = _weight(t, canonical, path)
+    config = check_weights(config, weights, str(path), canonical_to_gguf)
+    return LoadedModel(config=config, weights=weights, source=str(path), gguf_reader=reader, keepalive=[reader])
