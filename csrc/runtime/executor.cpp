@@ -66,6 +66,30 @@ namespace {
 const char* kOpNames[OP_COUNT] = {"embed", "rmsnorm", "matmul", "rope", "kv_write",
                                   "attention", "swiglu", "add", "gather"};
 
+// Overflow-checked size arithmetic: a size that does not fit is bad input.
+int64_t cmul(int64_t a, int64_t b) {
+  int64_t r;
+  if (__builtin_mul_overflow(a, b, &r)) throw std::invalid_argument("add_op: size overflows");
+  return r;
+}
+int64_t cadd(int64_t a, int64_t b) {
+  int64_t r;
+  if (__builtin_add_overflow(a, b, &r)) throw std::invalid_argument("add_op: size overflows");
+  return r;
+}
+
+// Sizes an op needs to be > 0 (i[] indices), and other shape rules.
+void check_shape(const Op& op) {
+  static const int need[OP_COUNT][4] = {
+      {0, -1, -1, -1}, {0, -1, -1, -1}, {0, 1, -1, -1}, {0, 1, 3, -1}, {0, -1, -1, -1},
+      {0, 1, 2, 3},    {0, -1, -1, -1}, {0, -1, -1, -1}, {0, -1, -1, -1}};
+  for (int k : need[op.kind])
+    if (k >= 0 && op.i[k] <= 0)
+      throw std::invalid_argument(std::string(kOpNames[op.kind]) + ": size " + std::to_string(k) + " must be > 0");
+  if (op.kind == OP_ROPE && (op.i[1] % 2 != 0 || op.i[3] < cmul(op.i[0], op.i[1])))
+    throw std::invalid_argument("rope: head_dim must be even and the row stride >= heads * head_dim");
+}
+
 // Bytes each operand is read/written at most, for the largest step.
 // Order: x, x2, w, w2, out, out2.
 void operand_extents(const Op& op, const ExecConfig& c, int64_t ext[6]) {
@@ -74,26 +98,27 @@ void operand_extents(const Op& op, const ExecConfig& c, int64_t ext[6]) {
   const int64_t M = op.rows == ROWS_TOKENS ? T : op.rows == ROWS_OUT ? c.max_out : op.rows;
   const int64_t f = sizeof(float);
   switch (op.kind) {
-    case OP_EMBED: ext[2] = 1; ext[4] = T * op.i[0] * f; break;  // table: checked per token in run
-    case OP_RMSNORM: ext[0] = ext[4] = M * op.i[0] * f; ext[2] = op.i[0] * f; break;
+    case OP_EMBED: ext[2] = row_bytes(op.wtype, op.i[0]); ext[4] = cmul(cmul(T, op.i[0]), f); break;
+    case OP_RMSNORM: ext[0] = ext[4] = cmul(cmul(M, op.i[0]), f); ext[2] = cmul(op.i[0], f); break;
     case OP_MATMUL:
-      ext[0] = M * op.i[1] * f; ext[4] = M * op.i[0] * f;
-      ext[2] = op.i[0] * row_bytes(op.wtype, op.i[1]);
+      ext[0] = cmul(cmul(M, op.i[1]), f);
+      ext[4] = cmul(cmul(M, op.i[0]), f);
+      ext[2] = cmul(op.i[0], row_bytes(op.wtype, cmul(op.i[1], 1)));
       break;
     case OP_ROPE:
-      ext[0] = ext[4] = (T - 1) * op.i[3] * f + op.i[0] * op.i[1] * f;
-      ext[2] = ext[3] = c.max_pos * (op.i[1] / 2) * f;
+      ext[0] = ext[4] = cadd(cmul(cmul(T - 1, op.i[3]), f), cmul(cmul(op.i[0], op.i[1]), f));
+      ext[2] = ext[3] = cmul(cmul(c.max_pos, op.i[1] / 2), f);
       break;
     case OP_KV_WRITE:
-      ext[0] = ext[1] = T * op.i[0] * f;
-      ext[4] = ext[5] = c.kv_slots * op.i[0] * f;
+      ext[0] = ext[1] = cmul(cmul(T, op.i[0]), f);
+      ext[4] = ext[5] = cmul(cmul(c.kv_slots, op.i[0]), f);
       break;
     case OP_ATTENTION:
-      ext[0] = ext[4] = T * op.i[0] * op.i[2] * f;
-      ext[2] = ext[3] = c.kv_slots * op.i[1] * op.i[2] * f;
+      ext[0] = ext[4] = cmul(cmul(T, cmul(op.i[0], op.i[2])), f);
+      ext[2] = ext[3] = cmul(cmul(c.kv_slots, cmul(op.i[1], op.i[2])), f);
       break;
-    case OP_SWIGLU: case OP_ADD: ext[0] = ext[1] = ext[4] = M * op.i[0] * f; break;
-    case OP_GATHER: ext[0] = T * op.i[0] * f; ext[4] = c.max_out * op.i[0] * f; break;
+    case OP_SWIGLU: case OP_ADD: ext[0] = ext[1] = ext[4] = cmul(cmul(M, op.i[0]), f); break;
+    case OP_GATHER: ext[0] = cmul(cmul(T, op.i[0]), f); ext[4] = cmul(cmul(c.max_out, op.i[0]), f); break;
   }
 }
 
@@ -103,7 +128,8 @@ void Executor::add_op(Op op, const Operand opnd[6]) {
   if (op.kind < 0 || op.kind >= OP_COUNT) throw std::invalid_argument("add_op: unknown op kind");
   for (int k = 0; k < 6; ++k)
     if (op.i[k] < 0) throw std::invalid_argument(std::string(kOpNames[op.kind]) + ": negative size");
-  if (op.rows < ROWS_OUT) throw std::invalid_argument("add_op: bad row code");
+  if (op.rows < ROWS_OUT || op.rows > cfg_.max_tokens) throw std::invalid_argument("add_op: bad row count");
+  check_shape(op);
   if (op.kind == OP_MATMUL || op.kind == OP_EMBED) {
     const int64_t k = op.kind == OP_MATMUL ? op.i[1] : op.i[0];
     if (op.wtype < F32 || op.wtype > Q4_1) throw std::invalid_argument("add_op: unknown weight type");
@@ -126,7 +152,7 @@ void Executor::add_op(Op op, const Operand opnd[6]) {
     const Operand& o = opnd[k];
     if (o.buffer >= 0) {
       if (o.buffer >= (int)buffers_.size()) throw std::invalid_argument("add_op: no such buffer");
-      if (o.offset < 0 || o.offset % 4 != 0 || o.offset + ext[k] > buffers_[o.buffer].size)
+      if (o.offset < 0 || o.offset % 4 != 0 || cadd(o.offset, ext[k]) > buffers_[o.buffer].size)
         throw std::invalid_argument(std::string(kOpNames[op.kind]) + ": operand " + std::to_string(k) +
                                     " out of its buffer");
       ptrs[k] = buffers_[o.buffer].data.get() + o.offset;
@@ -138,7 +164,10 @@ void Executor::add_op(Op op, const Operand opnd[6]) {
       ptrs[k] = const_cast<void*>(o.ptr);
     }
   }
-  if (op.kind == OP_EMBED) op.i[5] = opnd[2].nbytes / row_bytes(op.wtype, op.i[0]);  // table rows
+  if (op.kind == OP_EMBED) {  // table rows, for the token-id check in run()
+    const int64_t avail = opnd[2].buffer >= 0 ? buffers_[opnd[2].buffer].size - opnd[2].offset : opnd[2].nbytes;
+    op.i[5] = avail / row_bytes(op.wtype, op.i[0]);
+  }
   op.x = (float*)ptrs[0];
   op.x2 = (const float*)ptrs[1];
   op.w = ptrs[2];
@@ -157,8 +186,8 @@ void Executor::run(int n_tokens, const int32_t* tokens, const int32_t* positions
   if (max_blocks < 1 || max_blocks > cfg_.max_blocks) throw std::invalid_argument("run: bad block-table width");
   if (n_out < 0 || n_out > n_tokens || n_out > cfg_.max_out) throw std::invalid_argument("run: bad output row count");
   int64_t vocab_rows = -1;
-  for (const Op& op : ops_)
-    if (op.kind == OP_EMBED) vocab_rows = op.i[5];
+  for (const Op& op : ops_)  // the smallest table bounds every token id
+    if (op.kind == OP_EMBED && (vocab_rows < 0 || op.i[5] < vocab_rows)) vocab_rows = op.i[5];
   // Attention reads block_tables[s][j / block_size] for j <= position.
   const int64_t ctx_limit = (int64_t)max_blocks * cfg_.block_size;
   const int64_t n_blocks = cfg_.kv_slots / cfg_.block_size;
