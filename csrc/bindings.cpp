@@ -10,6 +10,7 @@
 
 #include "runtime/cpu_features.h"
 #include "runtime/executor.h"
+#include "runtime/membench.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -55,6 +56,9 @@ NB_MODULE(_core, m) {
     return d;
   });
   m.def("supported_isas", &lj::supported_isas, "ISAs this CPU and OS can run, lowest first");
+  m.def("read_bandwidth", &lj::read_bandwidth, "nbytes"_a, "n_threads"_a, "reps"_a = 5,
+        nb::call_guard<nb::gil_scoped_release>(),
+        "Best read rate (bytes/s) of an nbytes buffer over reps passes, n_threads threads.");
 
   nb::class_<lj::Executor>(m, "Executor")
       .def("__init__",
@@ -74,6 +78,15 @@ NB_MODULE(_core, m) {
       .def_prop_ro("allocations", &lj::Executor::allocations)
       .def_prop_ro("num_ops", &lj::Executor::num_ops)
       .def("alloc_buffer", &lj::Executor::alloc_buffer, "nbytes"_a)
+      .def("set_profiling", &lj::Executor::set_profiling, "on"_a,
+           "Start (and reset) or stop per-op timing by thread 0.")
+      .def("profile",
+           [](const lj::Executor& e) {
+             nb::list out;  // (op index, kind, total ns) over the profiled steps
+             const auto& ns = e.op_ns();
+             for (size_t k = 0; k < ns.size(); ++k) out.append(nb::make_tuple(k, e.op_kind(k), ns[k]));
+             return nb::make_tuple(e.profiled_steps(), out);
+           })
       .def("buffer",
            [](nb::handle self_h, int id) {
              lj::Executor& e = nb::cast<lj::Executor&>(self_h);

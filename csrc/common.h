@@ -9,6 +9,10 @@
 
 namespace lj {
 
+// NOTE: helpers in this header are `static inline`: each ISA translation unit
+// keeps its own copy, so the linker can never hand the baseline code a copy
+// compiled with AVX-512 flags.
+
 // Weight / table storage formats the kernels read. Values are part of the
 // Python<->C++ contract (ops/__init__.py mirrors them).
 enum DType : int32_t {
@@ -18,13 +22,35 @@ enum DType : int32_t {
   Q8_0 = 3,  // GGML block: fp16 d, 32 x int8;        w = d * q
   Q4_0 = 4,  // GGML block: fp16 d, 16 B nibbles;      w = d * (q - 8)
   Q4_1 = 5,  // GGML block: fp16 d, fp16 m, 16 B;      w = d * q + m
+  KV_I8 = 16,  // KV cache only: per (slot, kv head) fp32 scale then head_dim int8; x = scale * q
+  // Packed, tile-interleaved formats (src/llamajet/quant/pack.py has the
+  // layout): tiles of 16 rows, groups of G along K, per tile and group
+  // codes | d[16] fp16 | m[16] fp16 (asymmetric only).
+  PK_I4S = 6,  // int4 symmetric:  w = d * (c - 8)
+  PK_I4A = 7,  // int4 asymmetric: w = d * c + m
+  PK_I8 = 8,   // int8 symmetric:  w = d * c (c signed)
 };
+
+constexpr int64_t TILE = 16;  // rows per packed tile
+
+static inline bool is_packed(int32_t t) { return t == PK_I4S || t == PK_I4A || t == PK_I8; }
+
+// Bytes of one (tile, group) block of a packed format with group length g.
+static inline int64_t packed_block_bytes(int32_t t, int64_t g) {
+  return (t == PK_I8 ? TILE * g : TILE * g / 2) + 2 * TILE * (t == PK_I4A ? 2 : 1);
+}
+
+// Bytes of a packed [n, k] matrix with group g (n, k padded up).
+static inline int64_t packed_bytes(int32_t t, int64_t n, int64_t k, int64_t g) {
+  const int64_t tiles = (n + TILE - 1) / TILE, groups = (k + g - 1) / g;
+  return tiles * groups * packed_block_bytes(t, g);
+}
 
 constexpr int64_t QK = 32;  // elements per GGML quant block
 
 // Bytes used by one row of K elements of type t (K must be a multiple of 32
 // for the block types; Python checks this before building a Program).
-inline int64_t row_bytes(int32_t t, int64_t k) {
+static inline int64_t row_bytes(int32_t t, int64_t k) {
   switch (t) {
     case F32: return 4 * k;
     case F16: case BF16: return 2 * k;
@@ -37,9 +63,9 @@ inline int64_t row_bytes(int32_t t, int64_t k) {
 
 // Op kinds, also mirrored in Python.
 enum OpKind : int32_t {
-  OP_EMBED = 0,      // out[t,:] = table[tokens[t], :]                  i: dim
+  OP_EMBED = 0,      // out[t,:] = table[tokens[t], :]                  i: dim (packed: _, _, G)
   OP_RMSNORM = 1,    // out = x * rsqrt(mean(x^2)+eps) * w               i: n      f: eps
-  OP_MATMUL = 2,     // out[m,n] = sum_k x[m,k] W[n,k]                   i: N, K
+  OP_MATMUL = 2,     // out[m,n] = sum_k x[m,k] W[n,k]                   i: N, K (packed: G, float-activations flag)
   OP_ROPE = 3,       // out = rope(x) on [t, heads, hd], cos/sin tables i: heads, hd, interleaved, row stride
   OP_KV_WRITE = 4,   // kpool[slot[t]] = k[t]; vpool[slot[t]] = v[t]     i: kv_dim
   OP_ATTENTION = 5,  // causal GQA over K/V read through block tables    i: heads, kv_heads, hd, block_size  f: scale

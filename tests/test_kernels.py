@@ -491,7 +491,7 @@ def test_attention(isa, nth, H, KVH, hd):
     vnew = np.stack([vseq[s][p] for s, p in order])
 
     p = Prog(isa, nth, T=T, S=S, B=max_blocks, kv_slots=slots_n, bs=bs, P=max_blocks * bs,
-             scratch=max_blocks * bs)
+             scratch=attention_scratch(H // KVH, hd, bs, max_blocks))
     qo, ko, vo = p.buf("q", q), p.buf("k", knew), p.buf("v", vnew)
     kp, vp, out = p.buf("kp", kpool), p.buf("vp", vpool), p.buf("out", n=T * H * hd)
     p.add("kv_write", "f32", ROWS_TOKENS, [kvd], [], [ko, vo, None, None, kp, vp])
@@ -628,9 +628,17 @@ def test_rope_tables_too_small():
         p.add("rope", "f32", ROWS_TOKENS, [heads, hd, 1, heads * hd], [], [xo, None, cos, sin, xo, None])
 
 
+def attention_scratch(group, hd, bs, max_blocks):
+    """Per-thread scratch floats the attention kernel asks for (executor.cpp,
+    add_op): decode = every head of a group over the longest context; prefill =
+    K^T / V tiles, a 16-token run's output rows and running max / sum."""
+    tiled = 2 * bs * hd + 16 * group * (hd + 2) + 4 * bs + 2 * hd
+    return max(tiled, group * max_blocks * bs + 2 * hd) + 64
+
+
 def kv_prog(T=4, kvd=8, bs=16, nblocks=4):
     p = Prog(ISA0, 2, T=T, kv_slots=bs * nblocks, bs=bs, B=nblocks, P=bs * nblocks, S=2,
-             scratch=bs * nblocks)
+             scratch=attention_scratch(4, kvd, bs, nblocks))
     ko, vo = p.buf("k", np.zeros((T, kvd))), p.buf("v", np.zeros((T, kvd)))
     kp, vp = p.buf("kp", n=bs * nblocks * kvd), p.buf("vp", n=bs * nblocks * kvd)
     p.add("kv_write", "f32", ROWS_TOKENS, [kvd], [], [ko, vo, None, None, kp, vp])

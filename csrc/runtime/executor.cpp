@@ -1,6 +1,7 @@
 // executor.cpp — see executor.h.
 #include "executor.h"
 
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -98,24 +99,32 @@ void operand_extents(const Op& op, const ExecConfig& c, int64_t ext[6]) {
   const int64_t M = op.rows == ROWS_TOKENS ? T : op.rows == ROWS_OUT ? c.max_out : op.rows;
   const int64_t f = sizeof(float);
   switch (op.kind) {
-    case OP_EMBED: ext[2] = row_bytes(op.wtype, op.i[0]); ext[4] = cmul(cmul(T, op.i[0]), f); break;
+    case OP_EMBED:
+      ext[2] = is_packed(op.wtype) ? packed_bytes(op.wtype, op.i[1], op.i[0], op.i[2]) : row_bytes(op.wtype, op.i[0]);
+      ext[4] = cmul(cmul(T, op.i[0]), f);
+      break;
     case OP_RMSNORM: ext[0] = ext[4] = cmul(cmul(M, op.i[0]), f); ext[2] = cmul(op.i[0], f); break;
     case OP_MATMUL:
       ext[0] = cmul(cmul(M, op.i[1]), f);
       ext[4] = cmul(cmul(M, op.i[0]), f);
-      ext[2] = cmul(op.i[0], row_bytes(op.wtype, cmul(op.i[1], 1)));
+      ext[2] = is_packed(op.wtype) ? packed_bytes(op.wtype, op.i[0], op.i[1], op.i[2])
+                                   : cmul(op.i[0], row_bytes(op.wtype, op.i[1]));
       break;
     case OP_ROPE:
       ext[0] = ext[4] = cadd(cmul(cmul(T - 1, op.i[3]), f), cmul(cmul(op.i[0], op.i[1]), f));
       ext[2] = ext[3] = cmul(cmul(c.max_pos, op.i[1] / 2), f);
       break;
-    case OP_KV_WRITE:
+    case OP_KV_WRITE: {  // pools: kv_slots rows in KV storage type wtype (kernels/attention.inc)
+      const int64_t kvh = op.i[1] > 0 ? op.i[1] : 1;
       ext[0] = ext[1] = cmul(cmul(T, op.i[0]), f);
-      ext[4] = ext[5] = cmul(cmul(c.kv_slots, op.i[0]), f);
+      ext[4] = ext[5] = cmul(c.kv_slots, op.wtype == KV_I8 ? cmul(kvh, op.i[0] / kvh + 4)
+                                                           : row_bytes(op.wtype, op.i[0]));
       break;
+    }
     case OP_ATTENTION:
       ext[0] = ext[4] = cmul(cmul(T, cmul(op.i[0], op.i[2])), f);
-      ext[2] = ext[3] = cmul(cmul(c.kv_slots, cmul(op.i[1], op.i[2])), f);
+      ext[2] = ext[3] = cmul(c.kv_slots, op.wtype == KV_I8 ? cmul(op.i[1], op.i[2] + 4)
+                                                           : row_bytes(op.wtype, cmul(op.i[1], op.i[2])));
       break;
     case OP_SWIGLU: case OP_ADD: ext[0] = ext[1] = ext[4] = cmul(cmul(M, op.i[0]), f); break;
     case OP_GATHER: ext[0] = cmul(cmul(T, op.i[0]), f); ext[4] = cmul(cmul(c.max_out, op.i[0]), f); break;
@@ -132,17 +141,43 @@ void Executor::add_op(Op op, const Operand opnd[6]) {
   check_shape(op);
   if (op.kind == OP_MATMUL || op.kind == OP_EMBED) {
     const int64_t k = op.kind == OP_MATMUL ? op.i[1] : op.i[0];
-    if (op.wtype < F32 || op.wtype > Q4_1) throw std::invalid_argument("add_op: unknown weight type");
-    if (op.wtype >= Q8_0 && k % QK != 0)
-      throw std::invalid_argument("add_op: quantized rows need K % 32 == 0");
-    if (op.kind == OP_MATMUL && op.i[1] > cfg_.scratch_floats)
-      throw std::invalid_argument("add_op: K exceeds scratch");
+    if (op.wtype < F32 || op.wtype > PK_I8) throw std::invalid_argument("add_op: unknown weight type");
+    if (is_packed(op.wtype)) {
+      // packed: i[2] = group (multiple of 8 for int4 / 4 for int8 chunks)
+      const int64_t G = op.i[2];
+      if (G <= 0 || G % 8 != 0 || G > (int64_t)1 << 20) throw std::invalid_argument("add_op: packed group must be a positive multiple of 8");
+      if (op.kind == OP_EMBED && op.i[1] <= 0) throw std::invalid_argument("embed: packed table needs its row count");
+      if (op.kind == OP_MATMUL) {
+        const int64_t kpad = cmul((k + G - 1) / G, G), ng = kpad / G;
+        const int64_t M = op.rows == ROWS_TOKENS ? cfg_.max_tokens : op.rows == ROWS_OUT ? cfg_.max_out : op.rows;
+        const int64_t need = op.i[3] ? cmul(cmul(TILE, G), 4) : cadd(cadd(cmul(M, kpad), cmul(cmul(8, M), ng)), 128);
+        if (need > cmul(cfg_.scratch_floats, 4)) throw std::invalid_argument("add_op: packed matmul exceeds scratch");
+      }
+    } else {
+      if (op.wtype >= Q8_0 && k % QK != 0)
+        throw std::invalid_argument("add_op: quantized rows need K % 32 == 0");
+      if (op.kind == OP_MATMUL && op.i[1] > cfg_.scratch_floats)
+        throw std::invalid_argument("add_op: K exceeds scratch");
+    }
+  }
+  if (op.kind == OP_KV_WRITE || op.kind == OP_ATTENTION) {  // KV storage types
+    if (op.wtype != F32 && op.wtype != F16 && op.wtype != BF16 && op.wtype != KV_I8)
+      throw std::invalid_argument(std::string(kOpNames[op.kind]) + ": unknown KV storage type");
+    if (op.kind == OP_KV_WRITE && op.wtype == KV_I8 && (op.i[1] < 1 || op.i[0] % op.i[1] != 0))
+      throw std::invalid_argument("kv_write: int8 KV needs kv_heads > 0 dividing kv_dim");
   }
   if (op.kind == OP_ATTENTION) {
     if (op.i[1] == 0 || op.i[0] % op.i[1] != 0 || op.i[3] == 0)
       throw std::invalid_argument("attention: heads must be a multiple of kv_heads; block_size > 0");
     if (op.i[3] != cfg_.block_size) throw std::invalid_argument("attention: block size differs from the pool's");
-    if ((int64_t)cfg_.max_blocks * op.i[3] > cfg_.scratch_floats)
+    // The tiled kernel (kernels/attention_tiled.inc, attention_scratch_floats):
+    // decode: scores of every head of a group over the longest context + 2 heads;
+    // prefill: K^T and V tiles, the run's output rows, running max / sum.
+    const int64_t group = op.i[0] / op.i[1], hd = op.i[2], bs = op.i[3];
+    if (group > 64) throw std::invalid_argument("attention: more than 64 query heads per kv head");
+    const int64_t tiled = cadd(cadd(cmul(cmul(2, bs), hd), cmul(cmul(16, group), hd + 2)), 4 * bs + 2 * hd);
+    const int64_t rows = cadd(cmul(group, cmul(cfg_.max_blocks, bs)), 2 * hd);
+    if ((tiled > rows ? tiled : rows) + 64 > cfg_.scratch_floats)
       throw std::invalid_argument("attention: context exceeds scratch");
   }
   int64_t ext[6];
@@ -166,7 +201,7 @@ void Executor::add_op(Op op, const Operand opnd[6]) {
   }
   if (op.kind == OP_EMBED) {  // table rows, for the token-id check in run()
     const int64_t avail = opnd[2].buffer >= 0 ? buffers_[opnd[2].buffer].size - opnd[2].offset : opnd[2].nbytes;
-    op.i[5] = avail / row_bytes(op.wtype, op.i[0]);
+    op.i[5] = is_packed(op.wtype) ? op.i[1] : avail / row_bytes(op.wtype, op.i[0]);
   }
   op.x = (float*)ptrs[0];
   op.x2 = (const float*)ptrs[1];
@@ -226,11 +261,19 @@ void Executor::job(void* self, int ith, int nth) {
   Executor* e = (Executor*)self;
   const KernelFn* fn = e->table_->fn;
   const size_t n = e->ops_.size();
+  const bool prof = e->profiling_ && ith == 0;
+  auto t0 = std::chrono::steady_clock::now();
   for (size_t k = 0; k < n; ++k) {
     const Op& op = e->ops_[k];
     fn[op.kind](op, e->ctx_, ith, nth);
-    if (k + 1 < n) e->pool_->barrier();
+    if (k + 1 < n || e->profiling_) e->pool_->barrier();  // all threads see profiling_
+    if (prof) {
+      const auto t1 = std::chrono::steady_clock::now();
+      e->op_ns_[k] += std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
+      t0 = t1;
+    }
   }
+  if (prof) ++e->steps_;
 }
 
 }  // namespace lj

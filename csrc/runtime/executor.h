@@ -56,6 +56,13 @@ class Executor {
   // written outside its memory for the largest step this executor accepts.
   void add_op(Op op, const Operand opnd[6]);
   size_t num_ops() const { return ops_.size(); }
+  int op_kind(size_t k) const { return ops_.at(k).kind; }
+
+  // Per-op wall time, measured by thread 0 from an op's start to the barrier
+  // after it (so it includes waiting for the slowest thread). Off by default.
+  void set_profiling(bool on) { profiling_ = on; op_ns_.assign(ops_.size(), 0); steps_ = 0; }
+  const std::vector<int64_t>& op_ns() const { return op_ns_; }
+  int64_t profiled_steps() const { return steps_; }
 
   // Runs the Program for one step. Inputs are validated (lengths, ranges)
   // before any kernel runs; throws std::invalid_argument on bad input.
@@ -79,6 +86,9 @@ class Executor {
   // step inputs, sized once at construction
   std::vector<int32_t> tokens_, positions_, slots_, seq_of_token_, block_tables_, out_rows_;
   std::vector<float> scratch_;
+  bool profiling_ = false;
+  std::vector<int64_t> op_ns_;
+  int64_t steps_ = 0;
   StepCtx ctx_{};
 };
 

@@ -1,6 +1,8 @@
 // vec/avx2.h — 8-lane fp32 vectors on AVX2 + FMA (+F16C for fp16 rows).
 #pragma once
 #include <immintrin.h>
+#include <cstdint>
+#include <cstring>
 #include "half.h"
 
 namespace LJ_NS {
@@ -29,6 +31,56 @@ inline void f16_row_to_f32(const uint16_t* src, float* dst, int64_t n) {
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + i))));
   for (; i < n; ++i) dst[i] = lj::f16_to_f32(src[i]);
+}
+
+// ---- integer lanes: one lane = one weight row's 4 consecutive byte codes
+struct VecI { __m256i v; };
+constexpr int S8_BIAS = 0;  // the sign trick keeps dot_s8s8 exact
+inline VecI izero() { return {_mm256_setzero_si256()}; }
+inline VecI load_u8x4(const uint8_t* p) { return {_mm256_loadu_si256((const __m256i*)p)}; }
+inline VecI nib_lo(VecI a) { return {_mm256_and_si256(a.v, _mm256_set1_epi8(0x0F))}; }
+inline VecI nib_hi(VecI a) { return {_mm256_and_si256(_mm256_srli_epi16(a.v, 4), _mm256_set1_epi8(0x0F))}; }
+// u8 x s8 pairs -> s16 (no saturation for codes <= 15: 2*15*127 < 2^15) -> s32
+inline VecI dot_u8s8(VecI acc, VecI w, int32_t x4) {
+  const __m256i p16 = _mm256_maddubs_epi16(w.v, _mm256_set1_epi32(x4));
+  return {_mm256_add_epi32(acc.v, _mm256_madd_epi16(p16, _mm256_set1_epi16(1)))};
+}
+// s8 x s8 via |w| (u8) x sign(x, w): 2*128*127 < 2^15, never saturates
+inline VecI dot_s8s8(VecI acc, VecI w, int32_t x4) {
+  const __m256i x = _mm256_set1_epi32(x4);
+  const __m256i p16 = _mm256_maddubs_epi16(_mm256_abs_epi8(w.v), _mm256_sign_epi8(x, w.v));
+  return {_mm256_add_epi32(acc.v, _mm256_madd_epi16(p16, _mm256_set1_epi16(1)))};
+}
+inline VecI isub_scaled(VecI a, int32_t k, int32_t q) { return {_mm256_sub_epi32(a.v, _mm256_set1_epi32(k * q))}; }
+inline VecF cvt(VecI a) { return {_mm256_cvtepi32_ps(a.v)}; }
+inline VecF load_h(const uint16_t* p) { return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p))}; }
+
+// ---- math
+inline VecF vmax(VecF a, VecF b) { return {_mm256_max_ps(a.v, b.v)}; }
+inline VecF vsub(VecF a, VecF b) { return {_mm256_sub_ps(a.v, b.v)}; }
+inline VecF vdiv(VecF a, VecF b) { return {_mm256_div_ps(a.v, b.v)}; }
+// exp: x = n ln2 + r, |r| <= ln2/2 (ln2 split in two for an exact product),
+// exp(r) = 1 + r + r^2 P(r) with Cephes' degree-5 P (~1 ulp on [-ln2/2, ln2/2]),
+// times 2^n built in the exponent bits (n clamped to the normal range);
+// beyond it, +inf above 88.72 and 0 below -87.3 (libm gives subnormals there,
+// below 1.2e-38: no softmax or SiLU result can tell the difference).
+inline VecF vexp(VecF a) {
+  __m256 x = _mm256_min_ps(_mm256_max_ps(a.v, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  __m256 r = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  r = _mm256_blendv_ps(r, _mm256_set1_ps(__builtin_inff()), _mm256_cmp_ps(a.v, _mm256_set1_ps(88.72f), _CMP_GT_OQ));
+  return {_mm256_blendv_ps(r, _mm256_setzero_ps(), _mm256_cmp_ps(a.v, _mm256_set1_ps(-87.3f), _CMP_LT_OQ))};
 }
 
 }  // namespace LJ_NS

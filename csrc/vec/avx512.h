@@ -1,6 +1,8 @@
 // vec/avx512.h — 16-lane fp32 vectors on AVX-512F (+F16C for fp16 rows).
 #pragma once
 #include <immintrin.h>
+#include <cstdint>
+#include <cstring>
 #include "half.h"
 
 namespace LJ_NS {
@@ -22,6 +24,45 @@ inline void f16_row_to_f32(const uint16_t* src, float* dst, int64_t n) {
   for (; i + 16 <= n; i += 16)
     _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(src + i))));
   for (; i < n; ++i) dst[i] = lj::f16_to_f32(src[i]);
+}
+
+// ---- integer lanes: one lane = one weight row's 4 consecutive byte codes
+struct VecI { __m512i v; };
+// dot_s8s8 flips w to u8 (w + 128) for vpdpbusd: the caller subtracts 128 * sum(x).
+constexpr int S8_BIAS = 128;
+inline VecI izero() { return {_mm512_setzero_si512()}; }
+inline VecI load_u8x4(const uint8_t* p) { return {_mm512_loadu_si512((const void*)p)}; }
+inline VecI nib_lo(VecI a) { return {_mm512_and_si512(a.v, _mm512_set1_epi8(0x0F))}; }
+inline VecI nib_hi(VecI a) { return {_mm512_and_si512(_mm512_srli_epi16(a.v, 4), _mm512_set1_epi8(0x0F))}; }
+inline VecI dot_u8s8(VecI acc, VecI w, int32_t x4) { return {_mm512_dpbusd_epi32(acc.v, w.v, _mm512_set1_epi32(x4))}; }
+inline VecI dot_s8s8(VecI acc, VecI w, int32_t x4) {
+  return {_mm512_dpbusd_epi32(acc.v, _mm512_xor_si512(w.v, _mm512_set1_epi8((char)0x80)), _mm512_set1_epi32(x4))};
+}
+inline VecI isub_scaled(VecI a, int32_t k, int32_t q) { return {_mm512_sub_epi32(a.v, _mm512_set1_epi32(k * q))}; }
+inline VecF cvt(VecI a) { return {_mm512_cvtepi32_ps(a.v)}; }
+inline VecF load_h(const uint16_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p))}; }
+
+// ---- math
+inline VecF vmax(VecF a, VecF b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline VecF vsub(VecF a, VecF b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline VecF vdiv(VecF a, VecF b) { return {_mm512_div_ps(a.v, b.v)}; }
+// exp: same reduction and polynomial as the AVX2 tier (see vec/avx2.h);
+// 2^n applied with vscalefps, which overflows to inf and underflows through
+// the subnormals to 0 like libm, so the clamp only keeps n in range.
+inline VecF vexp(VecF a) {
+  __m512 x = _mm512_min_ps(_mm512_max_ps(a.v, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  return {_mm512_scalef_ps(p, n)};
 }
 
 }  // namespace LJ_NS

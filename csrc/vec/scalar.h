@@ -2,6 +2,8 @@
 // written once against VecF; with this header they are plain scalar C++.
 #pragma once
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include "half.h"
 
 namespace LJ_NS {
@@ -22,5 +24,35 @@ inline float reduce_add(VecF a) { return a.v; }
 inline void f16_row_to_f32(const uint16_t* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = lj::f16_to_f32(src[i]);
 }
+
+// ---- integer lanes: one lane = one weight row's 4 consecutive byte codes
+struct VecI { int32_t v; };
+constexpr int S8_BIAS = 0;  // dot_s8s8 is exact here
+inline VecI izero() { return {0}; }
+inline VecI load_u8x4(const uint8_t* p) { uint32_t u; std::memcpy(&u, p, 4); return {(int32_t)u}; }
+inline VecI nib_lo(VecI a) { return {(int32_t)((uint32_t)a.v & 0x0F0F0F0Fu)}; }
+inline VecI nib_hi(VecI a) { return {(int32_t)(((uint32_t)a.v >> 4) & 0x0F0F0F0Fu)}; }
+// acc + sum_j u8(w_j) * s8(x_j) over the 4 bytes of each lane
+inline VecI dot_u8s8(VecI acc, VecI w, int32_t x4) {
+  const uint32_t u = (uint32_t)w.v;
+  int32_t s = acc.v;
+  for (int j = 0; j < 4; ++j) s += (int32_t)((u >> (8 * j)) & 0xFF) * (int32_t)(int8_t)(x4 >> (8 * j));
+  return {s};
+}
+// acc + sum_j s8(w_j) * s8(x_j) + S8_BIAS * sum_j s8(x_j)
+inline VecI dot_s8s8(VecI acc, VecI w, int32_t x4) {
+  int32_t s = acc.v;
+  for (int j = 0; j < 4; ++j) s += (int32_t)(int8_t)(w.v >> (8 * j)) * (int32_t)(int8_t)(x4 >> (8 * j));
+  return {s};
+}
+inline VecI isub_scaled(VecI a, int32_t k, int32_t q) { return {a.v - k * q}; }
+inline VecF cvt(VecI a) { return {(float)a.v}; }
+inline VecF load_h(const uint16_t* p) { return {lj::f16_to_f32(*p)}; }
+
+// ---- math
+inline VecF vmax(VecF a, VecF b) { return {a.v > b.v ? a.v : b.v}; }
+inline VecF vsub(VecF a, VecF b) { return {a.v - b.v}; }
+inline VecF vdiv(VecF a, VecF b) { return {a.v / b.v}; }
+inline VecF vexp(VecF a) { return {std::exp(a.v)}; }  // the reference: libm expf
 
 }  // namespace LJ_NS

@@ -14,24 +14,54 @@ from llamajet.graph.ir import Graph
 from llamajet.graph.planner import MemoryPlan
 
 
+# KV storage types -> csrc/common.h DType codes (kv_write / attention wtype).
+# f32/f16/bf16 are the weight codes; int8 is KV_I8 (per token-head fp32 scale).
+KV_DTYPES = {"f32": 0, "f16": 1, "bf16": 2, "int8": 16}
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """Where each layer's K and V pools live in the executor's KV buffer.
 
-    Layout: [layer][K|V][slot][kv_heads * head_dim] fp32; a slot is
-    block * block_size + offset within the block."""
+    Layout: [layer][K|V][slot][row]; a slot is block * block_size + offset
+    within the block, a row is kv_heads heads of head_dim values in `dtype`
+    (int8: per head an fp32 scale, then head_dim int8 codes; see
+    csrc/kernels/attention.inc). Each pool starts 64-byte aligned."""
 
     buffer: int
     num_slots: int
-    kv_dim: int
+    kv_heads: int
+    head_dim: int
     block_size: int
+    dtype: str = "f32"
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def row_bytes(self) -> int:
+        return self.row_bytes_of(self.dtype, self.kv_heads, self.head_dim)
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of one layer's K (or V) pool, padded to 64."""
+        return -(-self.num_slots * self.row_bytes // 64) * 64
 
     def offset(self, layer: int, which: int) -> int:
-        return ((2 * layer + which) * self.num_slots * self.kv_dim) * 4
+        return (2 * layer + which) * self.pool_bytes
 
     @staticmethod
-    def nbytes(num_layers: int, num_slots: int, kv_dim: int) -> int:
-        return 2 * num_layers * num_slots * kv_dim * 4
+    def row_bytes_of(dtype: str, kv_heads: int, head_dim: int) -> int:
+        if dtype not in KV_DTYPES:
+            raise ValueError(f"KV cache dtype {dtype!r}: use one of {', '.join(KV_DTYPES)}")
+        if dtype == "int8":
+            return kv_heads * (head_dim + 4)
+        return kv_heads * head_dim * (4 if dtype == "f32" else 2)
+
+    @staticmethod
+    def nbytes(num_layers: int, num_slots: int, kv_heads: int, head_dim: int, dtype: str = "f32") -> int:
+        return 2 * num_layers * KVLayout(-1, num_slots, kv_heads, head_dim, 1, dtype).pool_bytes
 
 
 def _rows(graph: Graph, tensor: str) -> int:
@@ -39,8 +69,9 @@ def _rows(graph: Graph, tensor: str) -> int:
     return {"T": ops.ROWS_TOKENS, "O": ops.ROWS_OUT}.get(lead, lead)
 
 
-def lower(graph: Graph, plan: MemoryPlan, exe, arena: int, kv: KVLayout) -> None:
-    """Appends one op per node of `graph` to executor `exe`."""
+def lower(graph: Graph, plan: MemoryPlan, exe, arena: int, kv: KVLayout, act_int8: bool = True) -> None:
+    """Appends one op per node of `graph` to executor `exe`. Packed weights run
+    with int8 activations (W*A8) when `act_int8`, else float ones (W*A16)."""
 
     def a(t: str):  # an activation operand
         return (arena, plan.offsets[t])
@@ -54,7 +85,8 @@ def lower(graph: Graph, plan: MemoryPlan, exe, arena: int, kv: KVLayout) -> None
         out = n.outputs[0]
         if n.op == "embed":
             table = graph.weights[n.inputs[0]]
-            ops_args = dict(wtype=table.dtype, rows=ops.ROWS_TOKENS, ints=[table.shape[1]], floats=[],
+            ints = [table.shape[1], table.shape[0], getattr(table, "group", 0)]
+            ops_args = dict(wtype=table.dtype, rows=ops.ROWS_TOKENS, ints=ints, floats=[],
                             opnd=[None, None, table.data, None, a(out), None])
         elif n.op == "rmsnorm":
             dim = graph.tensors[out].shape[-1]
@@ -63,7 +95,8 @@ def lower(graph: Graph, plan: MemoryPlan, exe, arena: int, kv: KVLayout) -> None
         elif n.op == "matmul":
             w = graph.weights[n.inputs[1]]
             N, K = w.shape
-            ops_args = dict(wtype=w.dtype, rows=_rows(graph, out), ints=[N, K], floats=[],
+            ints = [N, K, w.group, 0 if act_int8 else 1] if hasattr(w, "group") else [N, K]
+            ops_args = dict(wtype=w.dtype, rows=_rows(graph, out), ints=ints, floats=[],
                             opnd=[a(x), None, w.data, None, a(out), None])
         elif n.op == "rope":
             H, hd = at["heads"], at["head_dim"]
@@ -72,12 +105,12 @@ def lower(graph: Graph, plan: MemoryPlan, exe, arena: int, kv: KVLayout) -> None
         elif n.op == "kv_write":
             L = at["layer"]
             kpool, vpool = (kv.buffer, kv.offset(L, 0)), (kv.buffer, kv.offset(L, 1))
-            ops_args = dict(wtype="f32", rows=ops.ROWS_TOKENS, ints=[kv.kv_dim], floats=[],
-                            opnd=[a(x), a(n.inputs[1]), None, None, kpool, vpool])
+            ops_args = dict(wtype=KV_DTYPES[kv.dtype], rows=ops.ROWS_TOKENS, ints=[kv.kv_dim, kv.kv_heads],
+                            floats=[], opnd=[a(x), a(n.inputs[1]), None, None, kpool, vpool])
         elif n.op == "attention":
             L = at["layer"]
             kpool, vpool = (kv.buffer, kv.offset(L, 0)), (kv.buffer, kv.offset(L, 1))
-            ops_args = dict(wtype="f32", rows=ops.ROWS_TOKENS,
+            ops_args = dict(wtype=KV_DTYPES[kv.dtype], rows=ops.ROWS_TOKENS,
                             ints=[at["heads"], at["kv_heads"], at["head_dim"], kv.block_size],
                             floats=[at["scale"]], opnd=[a(x), None, kpool, vpool, a(out), None])
         elif n.op in ("swiglu", "add"):
@@ -91,7 +124,8 @@ def lower(graph: Graph, plan: MemoryPlan, exe, arena: int, kv: KVLayout) -> None
         else:
             raise ValueError(f"{n.name}: no kernel for op {n.op!r}")
         try:
-            exe.add_op(ops.OPS[n.op], ops.DTYPES[ops_args["wtype"]], ops_args["rows"], ops_args["ints"],
-                       ops_args["floats"], ops_args["opnd"])
+            wtype = ops_args["wtype"]  # a storage-type name, or already a code (KV ops)
+            exe.add_op(ops.OPS[n.op], wtype if isinstance(wtype, int) else ops.DTYPES[wtype], ops_args["rows"],
+                       ops_args["ints"], ops_args["floats"], ops_args["opnd"])
         except ValueError as e:  # re-raise with the node's name
             raise ValueError(f"{n.name}: {e}") from e

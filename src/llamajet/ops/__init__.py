@@ -15,7 +15,9 @@ Executor = _core.Executor
 cpu_features = _core.cpu_features
 
 # Storage types (csrc/common.h DType).
-DTYPES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 5}
+DTYPES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 5,
+          # packed tile-interleaved schemes (quant/pack.py)
+          "pk_i4s": 6, "pk_i4a": 7, "pk_i8": 8}
 QUANT_BLOCK = 32  # elements per GGML block
 _BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
 

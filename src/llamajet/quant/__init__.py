@@ -1,0 +1,1 @@
+"""Quantization: named weight formats, packing, and (later) PTQ/QAT methods."""

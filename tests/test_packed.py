@@ -1,0 +1,145 @@
+"""Packed weight formats: layout, lossless GGUF repacking, and the W*A8 / W*A16
+matmul and packed-embedding kernels on every ISA against numpy references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llamajet import ops
+from llamajet.quant.pack import (dequantize, matmul_a8_reference, pack, quantize_activations,
+                                 quantize_rtn, repack_gguf, unpack)
+from llamajet.quant.schemes import TILE_ROWS, schemes
+
+gguf = pytest.importorskip("gguf")
+
+SCHEMES = schemes()
+ISAS = ops.supported_isas()
+
+
+def _exe(isa, nth, T, scratch=1 << 20):
+    return ops.Executor(isa=isa, n_threads=nth, max_tokens=T, max_out=T, max_seqs=1, max_blocks=1,
+                        kv_slots=16, block_size=16, max_pos=1, scratch_floats=scratch)
+
+
+def _run_matmul(isa, nth, x, pw, a16):
+    M, K = x.shape
+    N = pw.shape[0]
+    ex = _exe(isa, nth, M)
+    xb, ob = ex.alloc_buffer(4 * M * K), ex.alloc_buffer(4 * M * N)
+    ex.buffer(xb).view(np.float32)[:] = x.ravel()
+    ex.buffer(ob).view(np.float32)[:] = np.nan  # every output must be written
+    ex.add_op(ops.OPS["matmul"], ops.DTYPES[pw.dtype], ops.ROWS_TOKENS, [N, K, pw.group, int(a16)], [],
+              [(xb, 0), None, pw.data, None, (ob, 0), None])
+    z = np.zeros(M, np.int32)
+    ex.run(z, z, z, z, np.zeros((1, 1), np.int32), np.zeros(0, np.int32))
+    return ex.buffer(ob).view(np.float32).reshape(M, N).copy()
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
+def test_pack_roundtrip_and_rtn_rounding_rule(scheme):
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(37, 172)).astype(np.float32)  # N and K not multiples of 16 / the groups
+    pw = quantize_rtn("w", w, scheme)
+    codes, d, m = unpack(pw)
+    assert pack("w", scheme, pw.shape, codes, d, m).data.tobytes() == pw.data.tobytes()
+    deq = dequantize(pw)
+    # RTN error is at most half a step (|d|) per element, except int4 sym,
+    # whose code range -8..7 clips the side opposite the largest element at
+    # 7|d| while that side may reach 8|d|: up to a whole step there. (1e-3:
+    # the scale is fp16-rounded before the codes are computed.)
+    g = pw.group
+    step = np.abs(d[:37].astype(np.float64)).repeat(g, axis=1)[:, :172]
+    half = 1.0 if scheme.bits == 4 and scheme.symmetric else 0.5
+    assert np.all(np.abs(deq - w) <= half * step * (1 + 1e-3) + 1e-6)
+
+
+@pytest.mark.parametrize("ggml", ["q4_0", "q4_1", "q8_0"])
+def test_gguf_blocks_repack_without_loss(ggml):
+    rng = np.random.default_rng(1)
+    qt = gguf.GGMLQuantizationType[ggml.upper()]
+    for n in (48, 40):  # a whole number of 16-row tiles, and a padded last tile
+        w = rng.normal(size=(n, 96)).astype(np.float32)
+        raw = gguf.quants.quantize(w, qt)
+        ref = gguf.quants.dequantize(raw, qt)  # the external reference
+        pw = repack_gguf("w", raw, ggml, (n, 96))
+        np.testing.assert_array_equal(pw.to_f32(), ref)
+        if n % TILE_ROWS == 0:  # same bits, same bytes: nothing added, nothing lost
+            assert pw.data.nbytes == raw.nbytes
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
+@pytest.mark.parametrize("M,N,K", [(1, 40, 172), (7, 33, 96), (83, 64, 576), (5, 16, 1000)])
+def test_matmul_a8_matches_reference(isa, scheme, M, N, K):
+    rng = np.random.default_rng(M * N + K)
+    w = rng.normal(size=(N, K)).astype(np.float32)
+    x = rng.normal(size=(M, K)).astype(np.float32) * 3
+    pw = quantize_rtn("w", w, scheme)
+    ref = matmul_a8_reference(x, pw)  # exact integer dots, float64 scales
+    # Integer parts are exact on every ISA; the kernel applies scales and sums
+    # the ng groups in fp32: a few roundings per group, bounded by
+    # (3 ng + 2) * 2^-24 * sum_g |partial_g| <= (3 ng + 2) u * |x| @ |w|^T.
+    bound = (3 * pw.n_groups + 2) * 2.0**-24 * (np.abs(x) @ np.abs(dequantize(pw)).T) * 4 + 1e-30
+    for nth in (1, 2):
+        got = _run_matmul(isa, nth, x, pw, a16=False)
+        assert np.all(np.abs(got - ref) <= bound), np.abs(got - ref).max()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("scheme", SCHEMES[::3], ids=lambda s: s.name)
+def test_matmul_a16_matches_dequantized_reference(isa, scheme):
+    rng = np.random.default_rng(5)
+    M, N, K = 9, 37, 200
+    w = rng.normal(size=(N, K)).astype(np.float32)
+    x = rng.normal(size=(M, K)).astype(np.float32)
+    pw = quantize_rtn("w", w, scheme)
+    ref = x.astype(np.float64) @ dequantize(pw).T
+    # fp32 dequantization (one rounding per weight) and a length-K fp32 dot:
+    # (K + 3) * 2^-24 * |x| @ |w|^T, times 2 for safety.
+    bound = 2 * (K + 3) * 2.0**-24 * (np.abs(x) @ np.abs(dequantize(pw)).T)
+    got = _run_matmul(isa, 2, x, pw, a16=True)
+    assert np.all(np.abs(got - ref) <= bound)
+
+
+def test_activation_quantization_is_the_documented_rule():
+    x = np.array([[0.5, -1.0, 0.25, 2.0, 0.0, 0.0, 0.0, 0.0]], np.float32)
+    q, dx, s = quantize_activations(x, 8, 8)
+    assert q.tolist() == [[32, -64, 16, 127, 0, 0, 0, 0]]  # rint(x * 127/2), 31.75 -> 32, 15.875 -> 16
+    assert dx[0, 0] == np.float32(2.0) / np.float32(127) and s[0, 0] == 111
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("scheme", SCHEMES[::2], ids=lambda s: s.name)
+def test_packed_embedding_rows(isa, scheme):
+    rng = np.random.default_rng(2)
+    V, D = 50, 172
+    pw = quantize_rtn("emb", rng.normal(size=(V, D)).astype(np.float32), scheme)
+    tokens = np.array([0, 49, 17, 16, 15, 3], np.int32)
+    ex = _exe(isa, 2, len(tokens))
+    ob = ex.alloc_buffer(4 * len(tokens) * D)
+    ex.add_op(ops.OPS["embed"], ops.DTYPES[pw.dtype], ops.ROWS_TOKENS, [D, V, pw.group], [],
+              [None, None, pw.data, None, (ob, 0), None])
+    z = np.zeros(len(tokens), np.int32)
+    ex.run(tokens, z, z, z, np.zeros((1, 1), np.int32), np.zeros(0, np.int32))
+    got = ex.buffer(ob).view(np.float32).reshape(len(tokens), D)
+    # d*(c-8), d*c+m, d*c in fp32: one or two roundings of values the
+    # reference holds in float64.
+    np.testing.assert_allclose(got, dequantize(pw)[tokens], rtol=3 * 2.0**-24, atol=1e-7)
+    with pytest.raises(ValueError, match="vocabulary"):
+        ex.run(np.array([V] * len(tokens), np.int32), z, z, z, np.zeros((1, 1), np.int32), np.zeros(0, np.int32))
+
+
+def test_packed_refusals():
+    ex = _exe("ref", 1, 4)
+    b = ex.alloc_buffer(4096)
+    pw = quantize_rtn("w", np.ones((16, 64), np.float32), "int4_sym_g32")
+    with pytest.raises(ValueError, match="group"):  # group not a multiple of 8
+        ex.add_op(ops.OPS["matmul"], ops.DTYPES["pk_i4s"], -1, [16, 64, 12, 0], [], [(b, 0), None, pw.data, None, (b, 0), None])
+    with pytest.raises(ValueError, match="too small"):  # packed data shorter than N, K, G imply
+        ex.add_op(ops.OPS["matmul"], ops.DTYPES["pk_i4s"], -1, [32, 64, 32, 0], [], [(b, 0), None, pw.data, None, (b, 0), None])
+    tiny = _exe("ref", 1, 64, scratch=64)
+    tb = tiny.alloc_buffer(1 << 16)
+    with pytest.raises(ValueError, match="scratch"):
+        tiny.add_op(ops.OPS["matmul"], ops.DTYPES["pk_i4s"], -1, [16, 64, 32, 0], [], [(tb, 0), None, pw.data, None, (tb, 0), None])
+    assert TILE_ROWS == 16
