@@ -5,7 +5,8 @@ format the kernels read (Q8_0, Q4_0, Q4_1), is a numpy view of the memory-mapped
 file. Only GGUF formats the kernels do not read (Q4_K, Q6_K, ...) are
 dequantized to f32 at load, a copy.
 
-    load_model(path)   folder with config.json -> load_hf; *.gguf file -> load_gguf
+    load_model(path)   folder with llamajet.json -> load_llamajet (a `llamajet quantize` output);
+                       folder with config.json -> load_hf; *.gguf file -> load_gguf
 """
 
 from __future__ import annotations
@@ -133,6 +134,8 @@ def load_model(path: str | Path) -> LoadedModel:
     if not path.exists():
         raise ModelFormatError(f"{path}: no such file or folder")
     if path.is_dir():
+        if (path / "llamajet.json").is_file():  # written by `llamajet quantize` (loaders/llamajet.py)
+            return load_llamajet(path)
         if (path / "config.json").is_file():
             return load_hf(path)
         ggufs = sorted(path.glob("*.gguf"))
@@ -155,6 +158,8 @@ def _has_gguf_magic(path: Path) -> bool:
 
 # Imported last: the format modules use WeightTensor / LoadedModel defined above.
 from llamajet.loaders.gguf import load_gguf  # noqa: E402
+from llamajet.loaders.llamajet import load_llamajet  # noqa: E402
 from llamajet.loaders.safetensors import load_hf  # noqa: E402
 
-__all__ = ["WeightTensor", "LoadedModel", "load_model", "load_hf", "load_gguf", "check_weights", "GGML_BLOCKS"]
+__all__ = ["WeightTensor", "LoadedModel", "load_model", "load_hf", "load_gguf", "load_llamajet", "check_weights",
+           "GGML_BLOCKS"]
