@@ -68,7 +68,10 @@ def test_seeded_sampling_is_reproducible(stories):
 
 def test_chat_on_default_model_stops_at_end_of_turn(smollm2_gguf):
     llm = LLM(smollm2_gguf, max_model_len=256)
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+    # (The fast path's int8 activations flip the first token of "What is the
+    # capital of France?" to a near-tie runner-up, " L" 24.62 vs "The" 24.55;
+    # this prompt has a clear winner on both paths.)
+    out = llm.chat([{"role": "user", "content": "Name the capital of France."}],
                    SamplingParams(max_tokens=40, temperature=0))
     assert out.finish_reason == "stop"
     assert "Paris" in out.text and "<|im_end|>" not in out.text
@@ -154,7 +157,7 @@ def test_cli_errors_are_clear(tmp_path):
 
 def test_cli_chat_default_model_multi_turn(smollm2_gguf):
     env = dict(os.environ)
-    r = _cli("chat", "--temperature", "0", "-n", "30", stdin="What is the capital of France?\nAnd of Italy?\n\n",
+    r = _cli("chat", "--temperature", "0", "-n", "30", stdin="Name the capital of France.\nWhat is the capital of Italy?\n\n",
              env=env)
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout and "Rome" in r.stdout

@@ -119,6 +119,19 @@ def cmd_info(a) -> int:
     return 0
 
 
+def cmd_quantize(a) -> int:
+    from llamajet.quant.saved import quantize_model
+
+    print(quantize_model(a.input, a.output, a.scheme, force=a.force).format())
+    return 0
+
+
+def cmd_bench(a) -> int:
+    from llamajet.eval.bench import main as bench_main
+
+    return bench_main(a)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="llamajet", description="LLaMA-3 inference on CPUs")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -136,6 +149,24 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="CPU features, chosen ISA, threads, versions")
     i.add_argument("--isa", default=None)
     i.set_defaults(fn=cmd_info)
+    q = sub.add_parser("quantize", help="convert a checkpoint into llamajet's saved (mmap-ready) format")
+    q.add_argument("input", help="HF folder, .gguf file, or a llamajet saved folder")
+    q.add_argument("output", help="folder to write (llamajet.json, model.safetensors, tokenizer)")
+    q.add_argument("--scheme", "-s", required=True,
+                   help="a scheme name (int4_sym_g32, int4_asym_g32, int8_g32, int8_pc, ...) or 'keep': "
+                        "GGUF Q4_0/Q4_1/Q8_0 repacked without loss, float matrices left as they are")
+    q.add_argument("--force", action="store_true", help="write into a non-empty output folder")
+    q.set_defaults(fn=cmd_quantize)
+    b = sub.add_parser("bench", help="throughput at several batch sizes (continuous batching), KV use")
+    _add_model_args(b)
+    b.add_argument("--batch", default="1,4,16,64", help="concurrent sequences, comma-separated")
+    b.add_argument("--prompt-tokens", type=int, default=64, help="prompt length of every sequence")
+    b.add_argument("--max-tokens", "-n", type=int, default=128, help="tokens generated per sequence")
+    b.add_argument("--kv-dtype", default="f32", help="KV cache storage: f32|f16|bf16|int8")
+    b.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
+    b.add_argument("--corpus", default=None, help="text the prompts are cut from (default: WikiText-2 test)")
+    b.add_argument("--json", default=None, help="also write the results to this JSON file")
+    b.set_defaults(fn=cmd_bench)
     return ap
 
 

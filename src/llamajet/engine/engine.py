@@ -1,58 +1,87 @@
-"""Engine: runs requests on a ModelRunner, one step at a time.
+"""Engine: requests in, tokens out, many requests at once.
 
-A step is schedule -> run -> postprocess: pick the tokens to compute
-(a prefill chunk, or one decode token), run the whole forward pass in one
-executor call, then sample and check stop conditions. Requests are served
-one after another here; the batched scheduler extends this loop.
+The engine is four nouns — Sequence, Scheduler, BlockManager, ModelRunner —
+and a step is schedule -> run -> postprocess:
+- schedule: the Scheduler picks the tokens to compute (decode tokens of
+  running sequences, chunks of new prompts) within the step's token budget,
+  and the BlockManager gives them KV slots (prefix hits, copy-on-write,
+  preemption when the pool is full);
+- run: the ModelRunner computes them all in one executor call;
+- postprocess: each sequence whose chunk reached its last token samples its
+  next token, checks its stop conditions and queues a StreamEvent; finished
+  sequences free their blocks at once.
+
+Requests join between steps (`add_request`); `stream` / `generate` drive the
+loop synchronously, `AsyncEngine` (async_engine.py) from asyncio.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
 
 from llamajet.engine.block_manager import BlockManager
+from llamajet.engine.config import EngineConfig
 from llamajet.engine.runner import ModelRunner, StepBatch
-from llamajet.engine.sampling import Sampler, SamplingParams
-from llamajet.engine.sequence import Sequence
+from llamajet.engine.sampling import SamplingParams
+from llamajet.engine.scheduler import Scheduler
+from llamajet.engine.sequence import Sequence, Status, StreamEvent, TextStream
 from llamajet.errors import RequestError
 
-
-@dataclass(frozen=True)
-class StreamEvent:
-    token_id: int | None   # the new token (None on the final event of a stop string)
-    text: str              # newly completed text (never half a UTF-8 character)
-    finish_reason: str | None = None
+__all__ = ["Engine", "EngineStats", "RequestStats", "StreamEvent"]
 
 
 @dataclass
 class RequestStats:
-    """Wall-clock split of the last request: prefill (prompt -> first logits)
-    and decode (every later step), for `llamajet generate --stats`."""
+    """Wall-clock split of one request: prefill (arrival -> first token) and
+    decode (first -> last token), for `llamajet generate --stats`."""
 
     prompt_tokens: int = 0
     prefill_s: float = 0.0
     decode_tokens: int = 0
     decode_s: float = 0.0
+    cached_tokens: int = 0       # prompt tokens served from the prefix cache
+    preemptions: int = 0
     extra: dict = field(default_factory=dict)
 
 
+@dataclass
+class EngineStats:
+    """Totals since the engine started (for bench and metrics)."""
+
+    steps: int = 0
+    tokens: int = 0              # tokens computed (prefill + decode)
+    generated: int = 0           # tokens sampled
+    kv_slots_used: int = 0       # sum over steps of slots in blocks held by running sequences
+    kv_tokens_held: int = 0      # sum over steps of tokens those sequences hold
+
+
 class Engine:
-    def __init__(self, runner: ModelRunner, tokenizer) -> None:
+    def __init__(self, runner: ModelRunner, tokenizer, config: EngineConfig | None = None) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
-        self.blocks = BlockManager(runner.num_blocks, runner.block_size)
+        self.config = config or EngineConfig(max_model_len=runner.max_model_len,
+                                             max_num_seqs=runner.max_seqs,
+                                             max_tokens_per_step=runner.max_tokens,
+                                             block_size=runner.block_size)
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs=min(self.config.max_num_seqs, runner.max_seqs),
+                                   max_tokens=runner.max_tokens)
         self._all_rows = np.arange(runner.max_out, dtype=np.int32)
+        self._inbox: deque[tuple[str, Sequence]] = deque()  # from other threads, see post()
         self.last_stats = RequestStats()
+        self.stats = EngineStats()
+        self.last_schedule = None  # the SchedulerOutput of the latest step (for bench and tests)
 
     @property
     def max_model_len(self) -> int:
         return self.runner.max_model_len
 
-    # -- validation
+    # ------------------------------------------------------------ admission
 
     def check_prompt(self, ids: list[int]) -> None:
         if len(ids) == 0:
@@ -66,41 +95,156 @@ class Engine:
                 f"prompt has {len(ids)} tokens but the context holds {self.max_model_len} "
                 f"(prompt + at least one new token); shorten it or raise max_model_len")
 
-    # -- one step
+    def check_request(self, ids: list[int], params: SamplingParams) -> None:
+        """Refuses, before anything runs, a request that could never be
+        served: bad prompt, or longer at its longest than the whole KV pool
+        (it would preempt itself forever)."""
+        self.check_prompt(ids)
+        longest = min(len(ids) + params.max_tokens, self.max_model_len)
+        need = self.blocks.blocks_for(longest)
+        if need > self.blocks.num_blocks:
+            bs = self.blocks.block_size
+            raise RequestError(
+                f"request needs up to {longest} tokens of KV cache ({len(ids)} prompt + up to "
+                f"{params.max_tokens} new) but the pool holds {self.blocks.num_blocks * bs} "
+                f"({self.blocks.num_blocks} blocks of {bs}); lower max_tokens or raise kv_cache_tokens")
 
-    def _run(self, seq: Sequence, ids: list[int], start: int, out_rows: np.ndarray) -> np.ndarray:
-        """Computes tokens `ids` at positions start.. of `seq`; returns logits rows."""
-        n = len(ids)
-        self.blocks.ensure(seq.block_table, start + n)
-        pos = np.arange(start, start + n, dtype=np.int32)
-        table = np.asarray(seq.block_table, dtype=np.int32)
-        bs = self.blocks.block_size
-        slots = table[pos // bs] * bs + pos % bs
-        bt = np.zeros((1, self.runner.max_blocks), dtype=np.int32)
-        bt[0, : len(table)] = table
-        batch = StepBatch(np.asarray(ids, dtype=np.int32), pos, slots.astype(np.int32),
-                          np.zeros(n, dtype=np.int32), bt, out_rows)
-        out = self.runner.execute(batch)
-        seq.num_computed = start + n
-        return out
+    def new_sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """A validated Sequence for the request (not yet queued)."""
+        ids = [int(t) for t in prompt_ids]
+        self.check_request(ids, params)
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= set(self.tokenizer.stop_ids)
+        return Sequence(ids, params, frozenset(stop_ids), TextStream(self.tokenizer.stream_decoder(), params.stop))
 
-    def _prefill(self, seq: Sequence, ids: list[int], start: int = 0) -> np.ndarray:
-        """Feeds `ids` in chunks; returns the last token's logits (a copy)."""
-        step = self.runner.max_tokens
-        last = None
-        for s in range(0, len(ids), step):
-            chunk = ids[s : s + step]
-            final = s + step >= len(ids)
-            rows = np.array([len(chunk) - 1], dtype=np.int32) if final else self._all_rows[:0]
-            out = self._run(seq, chunk, start + s, rows)
-            if final:
-                last = out[0].copy()
-        return last
+    def add_request(self, prompt_ids: list[int] | Sequence, params: SamplingParams | None = None) -> Sequence:
+        """Queues a request; it joins the running batch at the next step.
+        Call from the thread that steps the engine (else use `post`)."""
+        seq = prompt_ids if isinstance(prompt_ids, Sequence) else self.new_sequence(prompt_ids, params)
+        self.scheduler.add(seq)
+        return seq
 
-    # -- requests
+    def abort(self, seq: Sequence) -> None:
+        """Ends `seq` now and frees its blocks (from the stepping thread)."""
+        if not seq.finished:
+            self.scheduler.finish(seq, "abort")
+            seq.finish_time = time.perf_counter()
+
+    def post(self, what: str, seq: Sequence) -> None:
+        """Thread-safe add_request ("add") or abort ("abort"): done at the
+        start of the next step, by whichever thread steps the engine."""
+        self._inbox.append((what, seq))  # deque.append is atomic
+
+    def _drain_inbox(self) -> None:
+        while self._inbox:
+            what, seq = self._inbox.popleft()
+            if what == "add":
+                if not seq.finished:
+                    self.add_request(seq)
+            else:
+                self.abort(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._inbox) or self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------ one step
+
+    def step(self) -> list[Sequence]:
+        """schedule -> run -> postprocess. Returns the sequences that got a
+        new event (in seq.events)."""
+        self._drain_inbox()
+        out = self.last_schedule = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        logits = self.runner.run(out.scheduled, out.copies)
+        st = self.stats
+        st.steps += 1
+        st.tokens += out.num_tokens
+        touched, row = [], 0
+        for s in out.scheduled:
+            seq = s.seq
+            seq.num_computed = s.start + s.num_tokens
+            self.blocks.cache_blocks(seq)
+            if s.logits:
+                self._append(seq, logits[row])
+                row += 1
+                touched.append(seq)
+        for seq in self.scheduler.running:  # KV use vs tokens held, after this step
+            st.kv_slots_used += len(seq.block_table) * self.blocks.block_size
+            st.kv_tokens_held += seq.num_computed
+        return touched
+
+    def _append(self, seq: Sequence, logits: np.ndarray) -> None:
+        """Samples seq's next token from its logits row; stops it if done."""
+        tok = seq.sampler(logits, seq.token_ids)
+        now = time.perf_counter()
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        self.stats.generated += 1
+        if tok in seq.stop_ids:  # a stop token ends the sequence and is not part of it
+            seq.events.append(seq.text.push(tok, "stop"))
+            return self._finish(seq, "stop")
+        seq.token_ids.append(tok)
+        done = seq.num_output >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
+        ev = seq.text.push(tok, "length" if done else None)
+        seq.events.append(ev)
+        if ev.finish_reason is not None:  # length, or a stop string completed
+            self._finish(seq, ev.finish_reason)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        seq.finish_time = time.perf_counter()
+        first = seq.first_token_time or seq.finish_time
+        self.last_stats = RequestStats(
+            prompt_tokens=seq.num_prompt, prefill_s=first - seq.arrival_time,
+            decode_tokens=max(seq.num_output - 1, 0), decode_s=seq.finish_time - first,
+            cached_tokens=seq.num_cached_tokens, preemptions=seq.num_preemptions)
+
+    # ------------------------------------------------------------ driving
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamEvent]:
+        """Adds the request and steps the engine (every queued request moves
+        along) until it finishes, yielding its events as they come."""
+        seq = self.add_request(prompt_ids, params)
+        try:
+            while True:
+                while seq.events:
+                    ev = seq.events.popleft()
+                    yield ev
+                    if ev.finish_reason is not None:
+                        return
+                if seq.finished:
+                    return
+                self.step()
+        finally:
+            self.abort(seq)  # a consumer that stops early frees the blocks
+
+    def generate_ids(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[tuple[int, str | None]]:
+        """Yields (token_id, finish_reason) per new token, as before text;
+        a stop token ends generation and is not yielded."""
+        for ev in self.stream(prompt_ids, params):
+            if ev.token_id is not None:
+                yield ev.token_id, ev.finish_reason
+
+    def run_all(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Queues `seqs` and steps until every one has finished."""
+        for s in seqs:
+            self.add_request(s)
+        try:
+            while any(not s.finished for s in seqs):
+                self.step()
+        finally:
+            for s in seqs:
+                self.abort(s)
+        return seqs
+
+    # ------------------------------------------------------------ scoring
 
     def logits(self, ids: list[int]) -> np.ndarray:
-        """Full-sequence logits [len(ids), vocab] (for scoring)."""
+        """Full-sequence logits [len(ids), vocab] (for scoring). Runs alone,
+        between steps, in blocks of its own (no prefix cache: every row is
+        computed)."""
         if len(ids) == 0:
             raise RequestError("empty token list")
         if len(ids) > self.max_model_len:
@@ -109,90 +253,25 @@ class Engine:
         if min(ids) < 0 or max(ids) >= vocab:
             raise RequestError(f"token ids must lie in 0..{vocab - 1}")
         seq = Sequence(list(ids), SamplingParams(max_tokens=1))
-        out = np.empty((len(ids), self.runner.config.vocab_size), dtype=np.float32)
+        if self.blocks.blocks_for(len(ids)) > self.blocks.num_blocks:
+            raise RequestError(f"{len(ids)} tokens exceed the KV pool of "
+                               f"{self.blocks.num_blocks * self.blocks.block_size} (raise kv_cache_tokens)")
+        if not self.blocks.allocate_slots(seq, 0, len(ids)):
+            raise RequestError(f"KV cache busy: {len(ids)} tokens need {self.blocks.blocks_for(len(ids))} "
+                               f"blocks, {self.blocks.num_free} free")
+        out = np.empty((len(ids), vocab), dtype=np.float32)
         step = self.runner.max_out  # every row is an output row
+        bs = self.blocks.block_size
+        table = np.asarray(seq.block_table, dtype=np.int32)
+        bt = table[None, :]
         try:
             for s in range(0, len(ids), step):
-                chunk = ids[s : s + step]
-                out[s : s + len(chunk)] = self._run(seq, chunk, s, self._all_rows[: len(chunk)])
+                n = min(step, len(ids) - s)
+                pos = np.arange(s, s + n, dtype=np.int32)
+                slots = (table[pos // bs] * bs + pos % bs).astype(np.int32)
+                batch = StepBatch(np.asarray(ids[s : s + n], dtype=np.int32), pos, slots,
+                                  np.zeros(n, dtype=np.int32), bt, self._all_rows[:n])
+                out[s : s + n] = self.runner.execute(batch)
         finally:
-            self.blocks.free(seq.block_table)
+            self.blocks.free(seq)
         return out
-
-    def generate_ids(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[tuple[int, str | None]]:
-        """Yields (token_id, finish_reason) per new token; finish_reason is set on
-        the last one. Stop tokens end generation and are not yielded."""
-        self.check_prompt(prompt_ids)
-        seq = Sequence(list(prompt_ids), params)
-        sampler = Sampler(params)
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids |= set(self.tokenizer.stop_ids)
-        stats = self.last_stats = RequestStats(prompt_tokens=len(prompt_ids))
-        try:
-            t0 = time.perf_counter()
-            logits = self._prefill(seq, seq.prompt_ids)
-            stats.prefill_s = time.perf_counter() - t0
-            while True:
-                tok = sampler(logits, seq.all_ids)
-                if tok in stop_ids:
-                    seq.finish_reason = "stop"
-                    yield tok, "stop"
-                    return
-                seq.output_ids.append(tok)
-                n = len(seq.all_ids)
-                if len(seq.output_ids) >= params.max_tokens or n >= self.max_model_len:
-                    seq.finish_reason = "length"
-                    yield tok, "length"
-                    return
-                yield tok, None
-                t0 = time.perf_counter()
-                logits = self._run(seq, [tok], n - 1, self._all_rows[:1])[0]
-                stats.decode_s += time.perf_counter() - t0
-                stats.decode_tokens += 1
-        finally:
-            self.blocks.free(seq.block_table)
-
-    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamEvent]:
-        """Text-level stream: whole UTF-8 characters only; stop strings cut the
-        text before them (held back while they might still be forming)."""
-        dec = self.tokenizer.stream_decoder()
-        pending = ""
-        hold = max((len(s) for s in params.stop), default=0)
-        for tok, reason in self.generate_ids(prompt_ids, params):
-            if reason == "stop":  # a stop token (not part of the output): flush and end
-                text = pending + dec.flush()
-                cut = _find_stop(text, params.stop)
-                yield StreamEvent(None, text if cut is None else text[:cut], "stop")
-                return
-            pending += dec.push(tok)
-            if reason is not None:
-                pending += dec.flush()
-            cut = _find_stop(pending, params.stop)
-            if cut is not None:
-                yield StreamEvent(tok, pending[:cut], "stop")
-                return
-            if reason is not None:
-                yield StreamEvent(tok, pending, reason)
-                return
-            # emit all but a tail that could still be the start of a stop string
-            keep = _stop_prefix_len(pending, params.stop) if hold else 0
-            emit, pending = pending[: len(pending) - keep], pending[len(pending) - keep :]
-            yield StreamEvent(tok, emit, None)
-
-
-def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    idx = [text.find(s) for s in stops]
-    idx = [i for i in idx if i >= 0]
-    return min(idx) if idx else None
-
-
-def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best

@@ -1,10 +1,17 @@
 """ModelRunner: owns the executor, its arena and KV pool, and runs steps.
 
 One runner = one compiled Program for steps of up to `max_tokens` tokens
-(any mix of prefill and decode), from up to `max_seqs` sequences, asking for
-up to `max_out` rows of logits. The KV pool holds `num_blocks` blocks of
-`block_size` token slots for every layer; which blocks a sequence uses is the
-caller's business (its block table).
+(any mix of prefill chunks and decode tokens), from up to `max_seqs`
+sequences, asking for up to `max_out` rows of logits. Every matmul of a step
+runs with M = the step's token count, whatever sequences they belong to;
+only attention looks at which sequence a token is from (its block table and
+position).
+
+The KV pool holds `num_blocks` blocks of `block_size` token slots for every
+layer, in storage type `kv_dtype` (f32, f16, bf16, or int8 with a scale per
+token and head). Which blocks a sequence uses is the BlockManager's business;
+the runner turns a schedule into the step's arrays and does the block copies
+copy-on-write asked for.
 """
 
 from __future__ import annotations
@@ -15,10 +22,37 @@ from dataclasses import dataclass
 import numpy as np
 
 from llamajet import ops
-from llamajet.graph.lower import KVLayout, lower
+from llamajet.graph.lower import KV_DTYPES, KVLayout, lower
 from llamajet.graph.planner import MemoryPlan, plan_memory
 from llamajet.loaders import LoadedModel
 from llamajet.model.llama import build_graph
+from llamajet.quant.convert import prepare_weights
+
+
+def _packed_scratch_floats(graph, max_rows: int, act_int8: bool) -> int:
+    """Per-thread scratch (floats) the packed matmuls need (the executor's
+    add_op check): int8 rows + scales for W*A8, one dequantized tile group
+    for W*A16."""
+    need = 0
+    for n in graph.nodes:
+        w = graph.weights.get(n.inputs[1]) if n.op == "matmul" else None
+        if w is None or not hasattr(w, "group"):
+            continue
+        G, K = w.group, w.shape[1]
+        kpad = -(-K // G) * G
+        nbytes = max_rows * kpad + 8 * max_rows * (kpad // G) + 128 if act_int8 else 16 * G * 4
+        need = max(need, -(-nbytes // 4))
+    return need
+
+
+def _attention_scratch_floats(cfg, block_size: int, max_blocks: int) -> int:
+    """Per-thread scratch of the attention kernel (csrc/kernels/attention_tiled.inc):
+    decode: every head of a group's scores over the longest context; prefill:
+    K^T / V tiles of one block and the output rows of a 16-token run."""
+    group, hd, bs = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, block_size
+    tiled = 2 * bs * hd + 16 * group * (hd + 2) + 4 * bs + 2 * hd
+    rows = group * max_blocks * bs + 2 * hd
+    return max(tiled, rows) + 64
 
 
 @dataclass(frozen=True)
@@ -37,35 +71,53 @@ class ModelRunner:
     def __init__(self, model: LoadedModel, *, max_model_len: int, max_tokens: int = 256,
                  max_out: int = 64, max_seqs: int = 1, block_size: int = 16,
                  num_blocks: int | None = None, n_threads: int | None = None,
-                 isa: str | None = None) -> None:
+                 isa: str | None = None, kv_dtype: str = "f32", kernels: str = "fast",
+                 scheme: str | None = None) -> None:
         cfg = model.config
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype={kv_dtype!r}: use one of {', '.join(KV_DTYPES)}")
         self.model = model
         self.config = cfg
         self.max_model_len = max_model_len
         self.max_tokens = max_tokens
-        self.max_out = min(max_out, max_tokens)
+        self.max_seqs = max_seqs
+        # every sequence of a step may want its logits row
+        self.max_out = min(max(max_out, max_seqs), max_tokens)
         self.block_size = block_size
+        self.kv_dtype = kv_dtype
         self.max_blocks = math.ceil(max_model_len / block_size)
         # Default pool: every sequence of the batch at full length.
         self.num_blocks = num_blocks if num_blocks is not None else self.max_blocks * max_seqs
-        self.graph = build_graph(cfg, model.weights, max_model_len)
+        # Weights as the kernels want them (quant/convert.py: GGUF blocks repacked, or RTN to `scheme`).
+        self.kernels = kernels
+        self.weights = prepare_weights(model.weights, kernels, scheme)
+        self.graph = build_graph(cfg, self.weights, max_model_len)
         self.plan: MemoryPlan = plan_memory(self.graph, {"T": max_tokens, "O": self.max_out})
-        max_k = max(cfg.hidden_size, cfg.intermediate_size)
+        max_k = max(cfg.hidden_size, cfg.intermediate_size, _packed_scratch_floats(self.graph, max_tokens,
+                                                                                   kernels == "fast"))
         self.exe = ops.Executor(
             isa=ops.resolve_isa(isa), n_threads=n_threads or ops.default_threads(),
             max_tokens=max_tokens, max_out=self.max_out, max_seqs=max_seqs, max_blocks=self.max_blocks,
             kv_slots=self.num_blocks * block_size, block_size=block_size, max_pos=max_model_len,
-            scratch_floats=max(max_k, self.max_blocks * block_size))
+            scratch_floats=max(max_k, _attention_scratch_floats(cfg, block_size, self.max_blocks)))
         self.arena = self.exe.alloc_buffer(self.plan.arena_bytes)
-        kv_dim = cfg.num_kv_heads * cfg.head_dim
-        kv_buf = self.exe.alloc_buffer(KVLayout.nbytes(cfg.num_layers, self.num_blocks * block_size, kv_dim))
-        self.kv = KVLayout(kv_buf, self.num_blocks * block_size, kv_dim, block_size)
-        lower(self.graph, self.plan, self.exe, self.arena, self.kv)
+        num_slots = self.num_blocks * block_size
+        # Not zeroed, committed lazily: an unused block costs no RSS.
+        kv_buf = self.exe.alloc_buffer(KVLayout.nbytes(cfg.num_layers, num_slots, cfg.num_kv_heads,
+                                                       cfg.head_dim, kv_dtype))
+        self.kv = KVLayout(kv_buf, num_slots, cfg.num_kv_heads, cfg.head_dim, block_size, kv_dtype)
+        lower(self.graph, self.plan, self.exe, self.arena, self.kv, act_int8=kernels == "fast")
         # The logits region of the arena, viewed once (valid after each step).
         arena = self.exe.buffer(self.arena)
         off = self.plan.offsets["logits"]
         self._logits = arena[off : off + self.max_out * cfg.vocab_size * 4].view(np.float32).reshape(
             self.max_out, cfg.vocab_size)
+        # The KV pools as [2 * layers, num_blocks, bytes per block], for block copies.
+        block_bytes = block_size * self.kv.row_bytes
+        self._kv_blocks = self.exe.buffer(kv_buf)[: 2 * cfg.num_layers * self.kv.pool_bytes].reshape(
+            2 * cfg.num_layers, self.kv.pool_bytes)[:, : self.num_blocks * block_bytes].reshape(
+            2 * cfg.num_layers, self.num_blocks, block_bytes)
+        self.kv_bytes_per_block = 2 * cfg.num_layers * block_bytes  # K and V, every layer
 
     @property
     def isa(self) -> str:
@@ -75,8 +127,52 @@ class ModelRunner:
     def n_threads(self) -> int:
         return self.exe.n_threads
 
+    @property
+    def kv_pool_bytes(self) -> int:
+        return self.num_blocks * self.kv_bytes_per_block
+
     def execute(self, b: StepBatch) -> np.ndarray:
         """Runs one step; returns logits [n_out, vocab] as a view into the
         arena, valid until the next step (copy to keep)."""
         self.exe.run(b.tokens, b.positions, b.slots, b.seq_of_token, b.block_tables, b.out_rows)
         return self._logits[: len(b.out_rows)]
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """KV block src -> dst for every layer's K and V (copy-on-write).
+        All sources are read before any destination is written."""
+        if copies:
+            src, dst = (np.array(c, dtype=np.intp) for c in zip(*copies))
+            self._kv_blocks[:, dst] = self._kv_blocks[:, src]
+
+    def run(self, scheduled, copies: list[tuple[int, int]] = ()) -> np.ndarray:
+        """Does the block copies, then computes every ScheduledSeq in one step.
+        Returns logits [n, vocab] (a view, valid until the next step), one row
+        per ScheduledSeq with .logits set, in schedule order."""
+        self.copy_blocks(copies)
+        return self.execute(self.prepare(scheduled))
+
+    def prepare(self, scheduled) -> StepBatch:
+        """The step's arrays. Sequence i of the schedule is row i of
+        block_tables; its tokens are consecutive, in position order."""
+        bs = self.block_size
+        tokens, positions, slots, seq_of, out_rows = [], [], [], [], []
+        width = max(len(s.seq.block_table) for s in scheduled)
+        tables = np.zeros((len(scheduled), width), dtype=np.int32)  # unused entries: block 0, never read
+        for i, s in enumerate(scheduled):
+            table, start, n = s.seq.block_table, s.start, s.num_tokens
+            tables[i, : len(table)] = table
+            if n == 1:  # decode: plain Python is faster than numpy for one token
+                tokens.append(s.seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+                seq_of.append(i)
+            else:
+                pos = np.arange(start, start + n)
+                tokens.extend(s.seq.token_ids[start : start + n])
+                positions.extend(pos.tolist())
+                slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
+                seq_of.extend([i] * n)
+            if s.logits:
+                out_rows.append(len(tokens) - 1)
+        i32 = ops.i32
+        return StepBatch(i32(tokens), i32(positions), i32(slots), i32(seq_of), tables, i32(out_rows))

@@ -96,6 +96,8 @@ class Sampler:
 
     def __call__(self, logits: np.ndarray, history) -> int:
         if self.params.greedy:
+            if self.params.repetition_penalty == 1.0:  # float32 -> float64 keeps the order: same argmax
+                return int(np.argmax(logits))
             return int(np.argmax(self.penalized(logits, history)))
         probs = self.probs(logits, history)
         return int(self.rng.choice(probs.size, p=probs))

@@ -1,25 +1,149 @@
-"""Sequence: one request's tokens, KV blocks and state."""
+"""Sequence: one request's tokens, KV blocks, state and pending output.
+
+A request is a Sequence from admission to finish. Its tokens are one list
+(prompt then output) because everything downstream wants them that way: the
+block hashes cover prompt and output alike, a preempted sequence recomputes
+all of them, and the repetition penalty looks at both.
+
+The text side (incremental detokenization, stop strings held back while they
+might still be forming) is a `TextStream` per sequence, so stop strings end a
+sequence inside the engine (its blocks are freed at once) rather than in
+whoever reads the stream.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import enum
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass
 
-from llamajet.engine.sampling import SamplingParams
+from llamajet.engine.sampling import Sampler, SamplingParams
 
 
-@dataclass
+class Status(enum.Enum):
+    WAITING = "waiting"    # queued: not admitted yet, or preempted (recomputed when readmitted)
+    RUNNING = "running"    # holds KV blocks; scheduled every step
+    FINISHED = "finished"  # done (stop, length, abort); holds no blocks
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    token_id: int | None   # the new token (None on the final event of a stop token)
+    text: str              # newly completed text (never half a UTF-8 character)
+    finish_reason: str | None = None
+
+
+_ids = itertools.count()
+
+
 class Sequence:
-    prompt_ids: list[int]
-    params: SamplingParams
-    output_ids: list[int] = field(default_factory=list)
-    block_table: list[int] = field(default_factory=list)  # KV blocks, in position order
-    num_computed: int = 0      # tokens whose K/V are in the cache
-    finish_reason: str | None = None  # "stop" | "length" once finished
+    """One request. Fields the BlockManager reads and writes: `token_ids`,
+    `block_table`, `num_computed`, `block_hashes`, `num_cached_blocks`."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, stop_ids: frozenset[int] = frozenset(),
+                 text: TextStream | None = None) -> None:
+        self.id = next(_ids)
+        self.token_ids: list[int] = list(prompt_ids)  # prompt, then output
+        self.num_prompt = len(prompt_ids)
+        self.params = params
+        self.sampler = Sampler(params)
+        self.stop_ids = stop_ids
+        self.text = text
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort"
+        # KV state.
+        # NOTE: tokens [0, num_computed) have their K/V in the blocks of
+        # block_table (slot of position p: table[p // bs] * bs + p % bs).
+        self.block_table: list[int] = []
+        self.num_computed = 0
+        self.block_hashes: list[bytes] = []  # chained hashes of full blocks of token_ids (lazily extended)
+        self.num_cached_blocks = 0           # leading full blocks already offered to the prefix cache
+        self.num_cached_tokens = 0           # prompt tokens served from the prefix cache at admission
+        self.num_preemptions = 0
+        # Output not yet read (the sync/async streams drain it).
+        self.events: deque[StreamEvent] = deque()
+        # Timing (perf_counter seconds).
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.id}, tokens={len(self.token_ids)}, computed={self.num_computed}, "
+                f"blocks={len(self.block_table)}, {self.status.value})")
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt]
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt:]
 
     @property
     def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+        return self.token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        return self.status is Status.FINISHED
+
+
+class TextStream:
+    """Token ids -> StreamEvents for one sequence: whole UTF-8 characters
+    only; a stop string cuts the text before it (and ends the sequence); text
+    that could still be the start of a stop string is held back."""
+
+    def __init__(self, decoder, stop: tuple[str, ...]) -> None:
+        self.dec = decoder
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=0)
+        self.pending = ""
+
+    def push(self, tok: int, reason: str | None) -> StreamEvent:
+        """The event for new token `tok`. reason: "stop" when `tok` is a stop
+        token (not part of the output), "length" when it is the last token,
+        else None. The event's finish_reason is "stop" also when a stop string
+        completed (the caller then finishes the sequence)."""
+        if reason == "stop":  # a stop token: flush and end
+            text = self.pending + self.dec.flush()
+            cut = _find_stop(text, self.stop)
+            return StreamEvent(None, text if cut is None else text[:cut], "stop")
+        self.pending += self.dec.push(tok)
+        if reason is not None:
+            self.pending += self.dec.flush()
+        cut = _find_stop(self.pending, self.stop)
+        if cut is not None:
+            return StreamEvent(tok, self.pending[:cut], "stop")
+        if reason is not None:
+            return StreamEvent(tok, self.pending, reason)
+        # emit all but a tail that could still be the start of a stop string
+        keep = _stop_prefix_len(self.pending, self.stop) if self.hold else 0
+        emit, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep:]
+        return StreamEvent(tok, emit, None)
+
+
+def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    idx = [text.find(s) for s in stops]
+    idx = [i for i in idx if i >= 0]
+    return min(idx) if idx else None
+
+
+def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best

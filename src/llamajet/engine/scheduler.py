@@ -1,0 +1,126 @@
+"""Scheduler: which tokens of which sequences the next step computes.
+
+Continuous batching with one token budget per step (as in vLLM v1): there
+are no prefill and decode phases, only sequences whose computed tokens lag
+their known tokens. Each step,
+1. running sequences, oldest first, get what they lack (1 token when
+   decoding, the rest of a long prompt in chunks) while the budget lasts;
+   when the KV pool cannot hold a sequence's new tokens, the newest running
+   sequence is preempted: its blocks are freed and it goes back to the
+   front of the queue, to be recomputed when readmitted (its full blocks
+   usually are still in the prefix cache, so this is cheap);
+2. then, if nothing was preempted, waiting sequences are admitted in
+   arrival order (a prefix-cache hit skips computing the cached blocks) while
+   the budget, the sequence limit and the pool allow; the first that does
+   not fit stops admission, so no request is starved by later smaller ones.
+
+NOTE: the oldest running sequence can always proceed: admission
+(Engine.add_request) refuses any request whose longest possible length does
+not fit the whole pool, and every other running sequence can be preempted to
+make room. So preemption never loops and no request fails for lack of space.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from llamajet.engine.block_manager import BlockManager
+from llamajet.engine.sequence import Sequence, Status
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    start: int        # first position computed this step (= seq.num_computed)
+    num_tokens: int   # tokens computed this step: positions start .. start + num_tokens - 1
+    logits: bool      # the chunk reaches the last known token: sample the next one
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # KV block copies (src, dst) to do first
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_tokens: int) -> None:
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_tokens = max_tokens  # token budget of one step
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the last is the newest
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Ends `seq` (running or waiting) and frees its blocks."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:  # (a new Sequence is WAITING before it is queued)
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_tokens
+        # 1. running sequences, oldest first
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            while not self.blocks.allocate_slots(seq, seq.num_computed, seq.num_computed + n):
+                victim = self.running.pop()  # the newest; never one scheduled already (index > i)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSeq(seq, seq.num_computed, n,
+                                                  seq.num_computed + n == seq.num_tokens))
+                budget -= n
+                i += 1
+                continue
+            break  # seq preempted itself: it was the newest, nothing after it
+        # 2. admissions, in arrival order
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+               and not out.preempted):
+            seq = self.waiting[0]
+            hits = self.blocks.match_prefix(seq) if seq.num_computed == 0 else []
+            # At least the last token is computed (its logits give the next
+            # token); when every block hit, it is rewritten into a copy.
+            start = min(len(hits) * self.blocks.block_size, seq.num_tokens - 1)
+            n = min(seq.num_tokens - start, budget)
+            if not self.blocks.allocate_slots(seq, start, start + n, hits):
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            seq.num_computed = start
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = start
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, start, n, start + n == seq.num_tokens))
+            budget -= n
+        out.copies = self.blocks.take_copies()
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.free(seq)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)

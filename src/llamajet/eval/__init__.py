@@ -1,0 +1,1 @@
+"""Evaluation: perplexity / KL on a corpus (perplexity.py), speed (bench.py)."""

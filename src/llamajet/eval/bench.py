@@ -1,0 +1,155 @@
+"""Throughput benchmark: continuous batching at several batch sizes.
+
+    llamajet bench --batch 1,4,16,64
+
+For each batch size B, B requests with different prompts (consecutive
+windows of WikiText-2, or seeded random ids without the corpus) of
+`prompt_tokens` tokens each generate `max_tokens` tokens greedily (EOS
+ignored, so every sequence runs the full length). The engine is stepped
+directly and every step is timed:
+- decode tok/s: tokens of the decode-only steps (every running sequence
+  computes one token) over their time — the throughput the batch sustains;
+- prefill tok/s: prompt tokens over the time of the steps that held any;
+- KV use, averaged over decode steps: token slots in the blocks the running
+  sequences hold vs the tokens they hold (the rest is each sequence's
+  partly filled last block), and the bytes of those blocks.
+One engine serves every batch size (one Program, one pool sized for the
+largest); the prefix cache is cleared between runs so no run reuses
+another's prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from llamajet.engine.sampling import SamplingParams
+from llamajet.eval.perplexity import DEFAULT_CORPUS
+
+
+@dataclass
+class BatchResult:
+    batch: int
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    steps: int = 0
+    kv_slots: int = 0         # sum over decode steps of slots in held blocks
+    kv_tokens: int = 0        # sum over decode steps of tokens held
+    kv_bytes_peak: int = 0    # bytes of the blocks held, at the largest
+    preemptions: int = 0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s else float("nan")
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prefill_tokens / self.prefill_s if self.prefill_s else float("nan")
+
+    @property
+    def kv_utilization(self) -> float:
+        return self.kv_tokens / self.kv_slots if self.kv_slots else float("nan")
+
+
+def bench_prompts(tokenizer, n: int, length: int, corpus: Path | None, vocab: int) -> list[list[int]]:
+    """n different prompts of `length` tokens."""
+    if corpus is not None and corpus.is_file():
+        text = corpus.read_text(encoding="utf-8")
+        need, chars = n * length, n * length * 8
+        while True:
+            ids = tokenizer.encode(text[:chars], add_special_tokens=False)
+            if len(ids) >= need or chars >= len(text):
+                break
+            chars *= 2
+        if len(ids) >= need:
+            return [ids[i * length : (i + 1) * length] for i in range(n)]
+    g = np.random.default_rng(0)
+    return g.integers(0, vocab, size=(n, length)).tolist()
+
+
+def run_batch(llm, prompts: list[list[int]], max_tokens: int) -> BatchResult:
+    eng = llm.engine
+    eng.blocks.reset_cache()
+    res = BatchResult(batch=len(prompts))
+    pre0 = eng.scheduler.num_preemptions
+    p = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    seqs = [eng.new_sequence(ids, p) for ids in prompts]
+    for s in seqs:
+        eng.add_request(s)
+    bs, block_bytes = eng.blocks.block_size, eng.runner.kv_bytes_per_block
+    while eng.has_unfinished():
+        t0 = time.perf_counter()
+        eng.step()
+        dt = time.perf_counter() - t0
+        sched = eng.last_schedule.scheduled
+        n = sum(s.num_tokens for s in sched)
+        res.steps += 1
+        if all(s.num_tokens == 1 and s.logits for s in sched):
+            res.decode_tokens += n
+            res.decode_s += dt
+            # KV held after the step; a sequence that finished in it counts
+            # with the blocks it held until then
+            seqs_now = [s.seq for s in sched]
+            held = sum(eng.blocks.blocks_for(s.num_computed) if s.finished else len(s.block_table)
+                       for s in seqs_now)
+            res.kv_slots += held * bs
+            res.kv_tokens += sum(s.num_computed for s in seqs_now)
+            res.kv_bytes_peak = max(res.kv_bytes_peak, held * block_bytes)
+        else:
+            res.prefill_tokens += sum(s.num_tokens for s in sched if not (s.num_tokens == 1 and s.logits))
+            res.prefill_s += dt
+    res.preemptions = eng.scheduler.num_preemptions - pre0
+    for s in seqs:
+        s.events.clear()
+    return res
+
+
+def format_results(results: list[BatchResult]) -> str:
+    base = results[0].decode_tps if results and results[0].batch == 1 else float("nan")
+    lines = [f"{'batch':>5} {'decode tok/s':>12} {'vs batch 1':>10} {'per seq':>8} {'prefill tok/s':>13} "
+             f"{'KV slots':>9} {'tokens':>9} {'KV used':>8} {'KV MiB':>7} {'preempt':>7}"]
+    for r in results:
+        lines.append(
+            f"{r.batch:>5} {r.decode_tps:>12.1f} {r.decode_tps / base:>9.2f}x {r.decode_tps / r.batch:>8.1f} "
+            f"{r.prefill_tps:>13.1f} {r.kv_slots:>9} {r.kv_tokens:>9} {100 * r.kv_utilization:>7.1f}% "
+            f"{r.kv_bytes_peak / 2**20:>7.1f} {r.preemptions:>7}")
+    return "\n".join(lines)
+
+
+def main(a) -> int:
+    """`llamajet bench` (flags parsed in cli.py)."""
+    from llamajet.api import LLM
+
+    batches = sorted({int(b) for b in str(a.batch).split(",") if b.strip()})
+    if not batches or batches[0] < 1:
+        raise SystemExit("llamajet bench: --batch takes positive integers, e.g. 1,4,16,64")
+    length = a.prompt_tokens + a.max_tokens
+    max_len = a.max_model_len or length
+    llm = LLM(a.model, n_threads=a.threads, isa=a.isa, max_model_len=max_len,
+              max_num_seqs=max(batches), block_size=a.block_size, kv_dtype=a.kv_dtype,
+              kv_cache_tokens=max(batches) * (-(-length // a.block_size)) * a.block_size)
+    vocab = llm.config.vocab_size
+    corpus = Path(a.corpus) if a.corpus else DEFAULT_CORPUS
+    prompts = bench_prompts(llm.tokenizer, max(batches), a.prompt_tokens, corpus, vocab)
+    run_batch(llm, prompts[:1], 4)  # warm-up: code paths, thread pool
+    print(f"model: {llm.path.name}  isa: {llm.isa}  threads: {llm.n_threads}  kv: {a.kv_dtype}, "
+          f"block {a.block_size}  prompt {a.prompt_tokens} + {a.max_tokens} new tokens per sequence")
+    results = []
+    for b in batches:
+        results.append(run_batch(llm, prompts[:b], a.max_tokens))
+        print(format_results(results).splitlines()[-1] if len(results) > 1 else format_results(results),
+              flush=True)
+    pool = llm.engine.runner.kv_pool_bytes
+    print(f"KV pool: {llm.engine.blocks.num_blocks} blocks x {a.block_size} slots = "
+          f"{pool / 2**20:.1f} MiB allocated (committed as used); "
+          f"{llm.engine.runner.kv_bytes_per_block // a.block_size} bytes per token")
+    if a.json:
+        Path(a.json).write_text(json.dumps([dict(asdict(r), decode_tps=r.decode_tps, prefill_tps=r.prefill_tps,
+                                                 kv_utilization=r.kv_utilization) for r in results], indent=1))
+    return 0

@@ -1,0 +1,163 @@
+"""Single-stream speed, llamajet beside llama.cpp: `llamajet bench --vs-llama-cpp`.
+
+Measures what one user sees: prefill tok/s (time to the first token) at
+prompt lengths 128 and 512, decode tok/s over 128 new tokens (greedy, EOS
+ignored), and each engine's peak RSS.
+
+Each engine runs in its own worker process (so its peak RSS is its own) and
+loads the model once; the parent alternates the engines round by round
+(and which goes first), because this machine's speed drifts minute to
+minute: only figures measured side by side in one run are compared. Both
+engines get the same token ids (llamajet's tokenizer on WikiText-2; the
+vocabulary is the GGUF's for both) and the same thread count. llama.cpp
+(PyPI llama-cpp-python, built with -DGGML_NATIVE=ON) runs at its best
+settings: flash attention, n_batch 512, n_threads = n_threads_batch.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from llamajet.eval.perplexity import DEFAULT_CORPUS
+
+PROMPTS = (128, 512)
+NEW_TOKENS = 128
+
+
+def _peak_rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _llamajet_worker(conn, model, threads, kernels, max_len):
+    from llamajet import LLM, SamplingParams
+
+    # no prefix cache: every round must really prefill; one step holds the 512-token prompt
+    llm = LLM(model, n_threads=threads, kernels=kernels, max_model_len=max_len, max_tokens_per_step=512,
+              enable_prefix_caching=False, max_num_seqs=1)
+    conn.send(("ready", f"llamajet ({llm.isa}, {kernels})"))
+
+    def timed(ids, n):
+        t = time.perf_counter()
+        llm.generate([ids], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        return time.perf_counter() - t
+
+    _serve(conn, timed)
+
+
+def _llama_cpp_worker(conn, model, threads, kernels, max_len):
+    import llama_cpp
+    import numpy as np
+
+    lc = llama_cpp.Llama(model_path=str(model), n_threads=threads, n_threads_batch=threads, n_ctx=max_len,
+                         n_batch=512, flash_attn=True, verbose=False)
+    conn.send(("ready", f"llama.cpp {llama_cpp.__version__}"))
+
+    def timed(ids, n):
+        lc.reset()
+        t = time.perf_counter()
+        lc.eval(ids)
+        for _ in range(n - 1):  # the same greedy loop llamajet runs
+            lc.eval([int(np.argmax(lc.scores[lc.n_tokens - 1]))])
+        int(np.argmax(lc.scores[lc.n_tokens - 1]))
+        return time.perf_counter() - t
+
+    _serve(conn, timed)
+
+
+def _serve(conn, timed):
+    """Answers (prompt ids, n new tokens) with seconds until the n-th token."""
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            conn.send(("rss", _peak_rss_mib()))
+            return
+        conn.send(("t", timed(*msg)))
+
+
+@dataclass
+class EngineFigures:
+    name: str
+    prefill: dict = field(default_factory=lambda: {p: [] for p in PROMPTS})  # P -> [tok/s]
+    decode: list = field(default_factory=list)  # tok/s
+    peak_rss_mib: float = float("nan")
+
+    def med(self):
+        return ({p: statistics.median(v) for p, v in self.prefill.items()}, statistics.median(self.decode))
+
+
+def _round(conn, prompts, fig: EngineFigures):
+    for p in PROMPTS:
+        conn.send((prompts[p], 1))
+        fig.prefill[p].append(p / conn.recv()[1])
+    # decode: time to 1 + NEW_TOKENS tokens minus time to the first token
+    conn.send((prompts[PROMPTS[0]], 1))
+    t1 = conn.recv()[1]
+    conn.send((prompts[PROMPTS[0]], 1 + NEW_TOKENS))
+    fig.decode.append(NEW_TOKENS / (conn.recv()[1] - t1))
+
+
+def run(model: str | None = None, threads: int | None = None, rounds: int = 3, vs_llama_cpp: bool = False,
+        kernels: str = "fast", corpus: Path | None = None, json_path: str | None = None) -> str:
+    from llamajet.loaders import load_model
+    from llamajet.models import default_model_path
+    from llamajet.ops import default_threads
+    from llamajet.tokenizer import load_tokenizer, tokenizer_from_gguf
+
+    model = str(model or default_model_path())
+    threads = threads or default_threads()
+    lm = load_model(model)
+    tok = tokenizer_from_gguf(lm.gguf_reader) if lm.gguf_reader is not None else load_tokenizer(model)
+    text = Path(corpus or DEFAULT_CORPUS).read_text(encoding="utf-8")[:200_000]
+    ids = tok.encode(text, add_special_tokens=False)
+    prompts = {p: ids[1000 : 1000 + p] for p in PROMPTS}
+    max_len = 1024
+    del lm
+    ctx = mp.get_context("spawn")
+    workers = [("llamajet", _llamajet_worker)] + ([("llama.cpp", _llama_cpp_worker)] if vs_llama_cpp else [])
+    conns, procs, figs = [], [], []
+    for name, fn in workers:
+        a, b = ctx.Pipe()
+        pr = ctx.Process(target=fn, args=(b, model, threads, kernels, max_len), daemon=True)
+        pr.start()
+        tag, label = a.recv()
+        conns.append(a)
+        procs.append(pr)
+        figs.append(EngineFigures(label))
+    for c in conns:  # warm-up round, not recorded
+        _round(c, prompts, EngineFigures("warm-up"))
+    for r in range(rounds):
+        order = list(range(len(conns)))
+        if r % 2:
+            order.reverse()
+        for i in order:
+            _round(conns[i], prompts, figs[i])
+    for c, pr, f in zip(conns, procs, figs):
+        c.send(None)
+        f.peak_rss_mib = c.recv()[1]
+        pr.join()
+    lines = [f"model {model}", f"threads {threads}, {rounds} rounds alternating, medians; decode over {NEW_TOKENS} "
+             f"new tokens after the {PROMPTS[0]}-token prompt", ""]
+    hdr = f"{'engine':34s} " + " ".join(f"{'prefill ' + str(p):>12s}" for p in PROMPTS) + f" {'decode':>9s} {'peak RSS':>9s}"
+    lines += [hdr, "-" * len(hdr)]
+    meds = [f.med() for f in figs]
+    for f, (pre, dec) in zip(figs, meds):
+        lines.append(f"{f.name:34s} " + " ".join(f"{pre[p]:12.1f}" for p in PROMPTS) + f" {dec:9.1f} "
+                     f"{f.peak_rss_mib:7.0f}Mi")
+    if len(figs) == 2:
+        (p0, d0), (p1, d1) = meds
+        lines.append(f"{'ratio llamajet / llama.cpp':34s} " + " ".join(f"{p0[p] / p1[p]:11.2f}x" for p in PROMPTS)
+                     + f" {d0 / d1:8.2f}x")
+    lines.append("(tok/s; prefill = prompt tokens / time to the first token)")
+    if json_path:
+        Path(json_path).write_text(json.dumps([{"engine": f.name, "prefill": f.prefill, "decode": f.decode,
+                                                "peak_rss_mib": f.peak_rss_mib} for f in figs], indent=1))
+    return "\n".join(lines)
