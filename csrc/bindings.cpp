@@ -60,6 +60,63 @@ NB_MODULE(_core, m) {
         nb::call_guard<nb::gil_scoped_release>(),
         "Best read rate (bytes/s) of an nbytes buffer over reps passes, n_threads threads.");
 
+  // Offline weight (de)quantization to / from the packed formats, tiles split
+  // over a pool of n_threads. Equal bit for bit to quant/pack.py.
+  m.def("quantize_packed",
+        [](const std::string& isa, int kind, int64_t g, nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> w,
+           int n_threads) {
+          if (!lj::is_packed(kind)) throw std::invalid_argument("quantize_packed: unknown packed kind");
+          if (g < 8 || g > 1024 || g % 8) throw std::invalid_argument("quantize_packed: group must be a multiple of 8 in 8..1024");
+          const int64_t n = w.shape(0), k = w.shape(1);
+          if (n < 1 || k < 1) throw std::invalid_argument("quantize_packed: empty matrix");
+          const lj::KernelTable* kt = lj::kernel_table(isa);
+          const int64_t tiles = (n + lj::TILE - 1) / lj::TILE, ng = (k + g - 1) / g;
+          const int64_t bb = lj::packed_block_bytes(kind, g);
+          uint8_t* out = new uint8_t[tiles * ng * bb];
+          nb::capsule owner(out, [](void* p) noexcept { delete[] (uint8_t*)p; });
+          {
+            nb::gil_scoped_release release;
+            struct Job { const lj::KernelTable* kt; int kind; int64_t g, n, k, tiles; const float* w; uint8_t* out; } job{
+                kt, kind, g, n, k, tiles, w.data(), out};
+            lj::ThreadPool pool(n_threads < 1 ? 1 : n_threads);
+            pool.run([](void* p, int ith, int nth) {
+              Job* j = (Job*)p;
+              const int64_t per = (j->tiles + nth - 1) / nth, b = per * ith, e = b + per < j->tiles ? b + per : j->tiles;
+              if (b < e) j->kt->quantize(j->kind, j->g, j->w, j->n, j->k, j->out, b, e);
+            }, &job);
+          }
+          size_t shape[3] = {(size_t)tiles, (size_t)ng, (size_t)bb};
+          return nb::ndarray<nb::numpy, uint8_t, nb::ndim<3>>(out, 3, shape, owner);
+        },
+        "isa"_a, "kind"_a, "group"_a, "w"_a, "n_threads"_a = 1);
+  m.def("dequantize_packed",
+        [](const std::string& isa, int kind, int64_t g, int64_t n, int64_t k,
+           nb::ndarray<const uint8_t, nb::c_contig, nb::device::cpu> packed, int n_threads) {
+          if (!lj::is_packed(kind)) throw std::invalid_argument("dequantize_packed: unknown packed kind");
+          if (g < 8 || g > 1024 || g % 8) throw std::invalid_argument("dequantize_packed: group must be a multiple of 8 in 8..1024");
+          if (n < 1 || k < 1) throw std::invalid_argument("dequantize_packed: empty matrix");
+          if ((int64_t)packed.nbytes() != lj::packed_bytes(kind, n, k, g))
+            throw std::invalid_argument("dequantize_packed: packed size does not match kind, shape and group");
+          const lj::KernelTable* kt = lj::kernel_table(isa);
+          const int64_t tiles = (n + lj::TILE - 1) / lj::TILE;
+          float* out = new float[n * k];
+          nb::capsule owner(out, [](void* p) noexcept { delete[] (float*)p; });
+          {
+            nb::gil_scoped_release release;
+            struct Job { const lj::KernelTable* kt; int kind; int64_t g, n, k, tiles; const uint8_t* src; float* out; } job{
+                kt, kind, g, n, k, tiles, packed.data(), out};
+            lj::ThreadPool pool(n_threads < 1 ? 1 : n_threads);
+            pool.run([](void* p, int ith, int nth) {
+              Job* j = (Job*)p;
+              const int64_t per = (j->tiles + nth - 1) / nth, b = per * ith, e = b + per < j->tiles ? b + per : j->tiles;
+              if (b < e) j->kt->dequantize(j->kind, j->g, j->src, j->n, j->k, j->out, b, e);
+            }, &job);
+          }
+          size_t shape[2] = {(size_t)n, (size_t)k};
+          return nb::ndarray<nb::numpy, float, nb::ndim<2>>(out, 2, shape, owner);
+        },
+        "isa"_a, "kind"_a, "group"_a, "n"_a, "k"_a, "packed"_a, "n_threads"_a = 1);
+
   nb::class_<lj::Executor>(m, "Executor")
       .def("__init__",
            [](lj::Executor* self, const std::string& isa, int n_threads, int max_tokens, int max_out, int max_seqs,

@@ -115,9 +115,19 @@ struct Op {
 using KernelFn = void (*)(const Op& op, const StepCtx& ctx, int ith, int nth);
 
 // A tier's kernels, indexed by OpKind. Filled once per ISA file.
+// Offline weight (de)quantization of packed formats, tiles [tile_b, tile_e)
+// of a [n, k] matrix (layout: packed formats above; rounding rule:
+// src/llamajet/quant/pack.py, which these equal bit for bit).
+using QuantFn = void (*)(int32_t kind, int64_t g, const float* w, int64_t n, int64_t k, uint8_t* out,
+                         int64_t tile_b, int64_t tile_e);
+using DequantFn = void (*)(int32_t kind, int64_t g, const uint8_t* packed, int64_t n, int64_t k, float* out,
+                           int64_t tile_b, int64_t tile_e);
+
 struct KernelTable {
   const char* isa;
   KernelFn fn[OP_COUNT];
+  QuantFn quantize;
+  DequantFn dequantize;
 };
 
 // Each per-ISA translation unit exports one of these.

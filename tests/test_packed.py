@@ -143,3 +143,34 @@ def test_packed_refusals():
     with pytest.raises(ValueError, match="scratch"):
         tiny.add_op(ops.OPS["matmul"], ops.DTYPES["pk_i4s"], -1, [16, 64, 32, 0], [], [(tb, 0), None, pw.data, None, (tb, 0), None])
     assert TILE_ROWS == 16
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
+def test_cpp_quantize_and_dequantize_equal_numpy_bit_for_bit(isa, scheme):
+    rng = np.random.default_rng(11)
+    # odd shapes; ties of the rounding rule (x*inv exactly .5) come from the
+    # integer-valued rows; a zero row and a constant row give zero scales
+    w = (rng.normal(size=(37, 172)) * rng.uniform(0.01, 10, size=(37, 1))).astype(np.float32)
+    w[3] = np.round(w[3] * 4) / 4
+    w[5] = 0.0
+    w[6] = 1.5
+    ref = quantize_rtn("w", w, scheme)
+    for nth in (1, 2):
+        got = ops.quantize_packed(scheme.kind, ref.group, w, isa=isa, n_threads=nth)
+        assert got.shape == ref.data.shape
+        assert got.tobytes() == ref.data.tobytes()
+    deq = ops.dequantize_packed(scheme.kind, ref.group, ref.shape, ref.data, isa=isa, n_threads=2)
+    # products of an fp16 scale and a small integer are exact in fp32 and the
+    # asymmetric sum is rounded once either way: bit-equal to float64 -> fp32
+    np.testing.assert_array_equal(deq, dequantize(ref).astype(np.float32))
+
+
+def test_cpp_quantize_refusals():
+    w = np.ones((16, 64), np.float32)
+    with pytest.raises(ValueError, match="group"):
+        ops.quantize_packed("pk_i4s", 12, w)
+    with pytest.raises(ValueError, match="size"):
+        ops.dequantize_packed("pk_i8", 32, (16, 64), np.zeros(10, np.uint8))
+    with pytest.raises(KeyError):
+        ops.quantize_packed("q4_7", 32, w)

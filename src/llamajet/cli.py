@@ -1,4 +1,4 @@
-"""The ``llamajet`` command: generate | chat | info.
+"""The ``llamajet`` command: generate | chat | info | quantize | bench.
 
 Flags mirror the API: --model is LLM(path), sampling flags are
 SamplingParams fields, --threads / --isa / --max-model-len are LLM options.
@@ -127,6 +127,11 @@ def cmd_quantize(a) -> int:
 
 
 def cmd_bench(a) -> int:
+    if a.batch is None:  # single stream: prefill 128 / 512, decode 128, peak RSS
+        from llamajet.eval.bench_latency import run
+
+        print(run(a.model, a.threads, a.rounds, a.vs_llama_cpp, a.kernels, a.corpus, a.json))
+        return 0
     from llamajet.eval.bench import main as bench_main
 
     return bench_main(a)
@@ -157,9 +162,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "GGUF Q4_0/Q4_1/Q8_0 repacked without loss, float matrices left as they are")
     q.add_argument("--force", action="store_true", help="write into a non-empty output folder")
     q.set_defaults(fn=cmd_quantize)
-    b = sub.add_parser("bench", help="throughput at several batch sizes (continuous batching), KV use")
+    b = sub.add_parser("bench", help="single-stream prefill/decode speed (optionally beside llama.cpp); "
+                                     "with --batch, throughput at several batch sizes and KV use")
     _add_model_args(b)
-    b.add_argument("--batch", default="1,4,16,64", help="concurrent sequences, comma-separated")
+    b.add_argument("--vs-llama-cpp", action="store_true",
+                   help="also run llama-cpp-python on the same GGUF, same threads, alternating rounds")
+    b.add_argument("--rounds", type=int, default=3, help="rounds per engine (single-stream mode)")
+    b.add_argument("--kernels", default="fast", help="fast | a16 | reference (single-stream mode)")
+    b.add_argument("--batch", default=None, help="concurrent sequences, comma-separated, e.g. 1,4,16,64")
     b.add_argument("--prompt-tokens", type=int, default=64, help="prompt length of every sequence")
     b.add_argument("--max-tokens", "-n", type=int, default=128, help="tokens generated per sequence")
     b.add_argument("--kv-dtype", default="f32", help="KV cache storage: f32|f16|bf16|int8")

@@ -48,6 +48,22 @@ def row_bytes(dtype: str, k: int) -> int:
     return k * {"f32": 4, "f16": 2, "bf16": 2}[dtype]
 
 
+def quantize_packed(dtype: str, group: int, w: np.ndarray, isa: str | None = None,
+                    n_threads: int | None = None) -> np.ndarray:
+    """C++ RTN quantization of float32 w [N, K] into packed `dtype` ("pk_i4s",
+    "pk_i4a", "pk_i8"): uint8 [tiles, groups, block bytes], equal bit for bit
+    to quant.pack.quantize_rtn's data."""
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    return _core.quantize_packed(resolve_isa(isa), DTYPES[dtype], group, w, n_threads or default_threads())
+
+
+def dequantize_packed(dtype: str, group: int, shape: tuple[int, int], packed: np.ndarray,
+                      isa: str | None = None, n_threads: int | None = None) -> np.ndarray:
+    """C++ dequantization of a packed weight to float32 [N, K]."""
+    return _core.dequantize_packed(resolve_isa(isa), DTYPES[dtype], group, shape[0], shape[1],
+                                   np.ascontiguousarray(packed), n_threads or default_threads())
+
+
 def i32(a) -> np.ndarray:
     """A C-contiguous int32 array, as the executor's step inputs require."""
     return np.ascontiguousarray(a, dtype=np.int32)
@@ -55,5 +71,6 @@ def i32(a) -> np.ndarray:
 
 __all__ = [
     "DTYPES", "Executor", "OPS", "QUANT_BLOCK", "ROWS_OUT", "ROWS_TOKENS", "cpu_features",
-    "default_threads", "i32", "resolve_isa", "row_bytes", "supported_isas",
+    "default_threads", "dequantize_packed", "i32", "quantize_packed", "resolve_isa", "row_bytes",
+    "supported_isas",
 ]

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from llamajet import ops
 from llamajet.errors import LlamajetError
 from llamajet.loaders import WeightTensor
-from llamajet.quant.pack import PackedWeight, quantize_rtn, repack_gguf
+from llamajet.quant.pack import PackedWeight, repack_gguf
 from llamajet.quant.schemes import get_scheme
 
 KERNELS = ("fast", "a16", "reference")
@@ -56,7 +57,9 @@ def prepare_weights(weights: dict, kernels: str = "fast", scheme: str | None = N
         if isinstance(w, PackedWeight) and (sch is None or w.scheme == sch):
             out[name] = w  # already in the kernels' layout (a saved model): used as mapped, no copy
         elif _is_matrix(name) and sch is not None and hasattr(w, "to_f32"):
-            pw = quantize_rtn(name, w.to_f32(), sch)
+            # the C++ quantizer: equal bit for bit to quantize_rtn (tests/test_packed.py), threaded
+            data = ops.quantize_packed(sch.kind, sch.group_for(w.shape[1]), w.to_f32())
+            pw = PackedWeight(name, sch, tuple(w.shape), data)
             out[name] = dataclasses.replace(pw, rope_interleaved=inter)
         elif _is_matrix(name) and getattr(w, "dtype", None) in _GGUF_BLOCKS:
             out[name] = repack_gguf(name, w.data, w.dtype, tuple(w.shape), rope_interleaved=inter)
