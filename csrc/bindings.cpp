@@ -155,16 +155,17 @@ NB_MODULE(_core, m) {
       .def("add_op",
            [](lj::Executor& e, int kind, int wtype, int64_t rows, const std::vector<int64_t>& ints,
               const std::vector<float>& floats, nb::list operands) {
-             if (ints.size() > 6 || floats.size() > 2 || operands.size() != 6)
-               throw std::invalid_argument("add_op: at most 6 ints, 2 floats and exactly 6 operands");
+             if (ints.size() > lj::OP_INTS - 1 || floats.size() > 2 ||
+                 (operands.size() != 6 && operands.size() != lj::OP_OPERANDS))
+               throw std::invalid_argument("add_op: at most 9 ints, 2 floats and 6 or 8 operands");
              lj::Op op;
              op.kind = kind;
              op.wtype = wtype;
              op.rows = rows;
              for (size_t k = 0; k < ints.size(); ++k) op.i[k] = ints[k];
              for (size_t k = 0; k < floats.size(); ++k) op.f[k] = floats[k];
-             lj::Operand o[6];
-             for (int k = 0; k < 6; ++k) o[k] = to_operand(operands[k], k);
+             lj::Operand o[lj::OP_OPERANDS];
+             for (size_t k = 0; k < operands.size(); ++k) o[k] = to_operand(operands[k], (int)k);
              e.add_op(op, o);
            },
            "kind"_a, "wtype"_a, "rows"_a, "ints"_a, "floats"_a, "operands"_a)

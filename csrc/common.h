@@ -72,6 +72,7 @@ enum OpKind : int32_t {
   OP_SWIGLU = 6,     // out = silu(gate) * up                            i: n
   OP_ADD = 7,        // out = a + b                                      i: n
   OP_GATHER = 8,     // out[r,:] = x[out_rows[r], :]                     i: n
+  OP_ADD_RMSNORM = 9,  // out2 = x + x2; out = rmsnorm(out2) * w (+ int8 copy at e0)  i: n, G  f: eps
   OP_COUNT
 };
 
@@ -101,7 +102,7 @@ struct Op {
   int32_t kind = 0;
   int32_t wtype = F32;  // storage type of w (matmul weight / embedding table)
   int64_t rows = 0;     // leading dimension M (or ROWS_* code)
-  int64_t i[6] = {0, 0, 0, 0, 0, 0};
+  int64_t i[10] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
   float f[2] = {0.f, 0.f};
   float* x = nullptr;        // main input
   const float* x2 = nullptr; // second input (add b, swiglu up, kv_write v)
@@ -109,7 +110,12 @@ struct Op {
   const void* w2 = nullptr;  // rope sin / v pool
   float* out = nullptr;      // output (k pool for kv_write / attention)
   float* out2 = nullptr;     // v pool for kv_write
+  void* e0 = nullptr;        // fused ops' extra operands (epilogue / prologue inputs)
+  void* e1 = nullptr;
 };
+
+constexpr int OP_INTS = 10;     // Op::i
+constexpr int OP_OPERANDS = 8;  // x, x2, w, w2, out, out2, e0, e1
 
 // One kernel: computes this thread's share [ith of nth] of the op.
 using KernelFn = void (*)(const Op& op, const StepCtx& ctx, int ith, int nth);

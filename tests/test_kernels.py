@@ -683,10 +683,13 @@ def test_attention_bad_config():
             p.add("attention", "f32", ROWS_TOKENS, ints, [0.3], [qo, None, kp, vp, out, None])
     with pytest.raises(ValueError, match="out of its buffer"):  # pools sized for kv_dim 8, not 16
         p.add("attention", "f32", ROWS_TOKENS, [2, 2, 8, 16], [0.3], [qo, None, kp, vp, out, None])
-    q = Prog(ISA0, 1, T=1, kv_slots=64, bs=16, B=4, P=64, scratch=63)  # scratch < context
+    # Scratch smaller than the context needs: the executor grows it at add_op
+    # (counted as an allocation), never inside a step.
+    q = Prog(ISA0, 1, T=1, kv_slots=64, bs=16, B=4, P=64, scratch=63)
     a = q.buf("a", n=64 * 8)
-    with pytest.raises(ValueError, match="scratch"):
-        q.add("attention", "f32", ROWS_TOKENS, [1, 1, 8, 16], [0.3], [a, None, a, a, a, None])
+    before = q.ex.allocations
+    q.add("attention", "f32", ROWS_TOKENS, [1, 1, 8, 16], [0.3], [a, None, a, a, a, None])
+    assert q.ex.allocations == before + 1
 
 
 def test_n_out_and_step_sizes():
@@ -742,9 +745,10 @@ def test_weight_too_small(dtype):
         p.add("matmul", dtype, ROWS_TOKENS, [N + 1, K], [], [xo, None, W, None, out, None])
     with pytest.raises(ValueError):  # weight missing
         p.add("matmul", dtype, ROWS_TOKENS, [N, K], [], [xo, None, None, None, out, None])
-    with pytest.raises(ValueError, match="scratch"):  # K beyond the per-thread scratch
-        Prog(ISA0, 1, T=2, scratch=K - 1).add("matmul", dtype, ROWS_TOKENS, [N, K], [], [None] * 6)
+    # K beyond the per-thread scratch: grown at add_op, once
+    before = p.ex.allocations
     p.add("matmul", dtype, ROWS_TOKENS, [N, K], [], [xo, None, W, None, out, None])
+    assert p.ex.allocations == before + 1
 
 
 @pytest.mark.parametrize("dtype", QUANT_TYPES)

@@ -138,10 +138,15 @@ def test_packed_refusals():
         ex.add_op(ops.OPS["matmul"], ops.DTYPES["pk_i4s"], -1, [16, 64, 12, 0], [], [(b, 0), None, pw.data, None, (b, 0), None])
     with pytest.raises(ValueError, match="too small"):  # packed data shorter than N, K, G imply
         ex.add_op(ops.OPS["matmul"], ops.DTYPES["pk_i4s"], -1, [32, 64, 32, 0], [], [(b, 0), None, pw.data, None, (b, 0), None])
-    tiny = _exe("ref", 1, 64, scratch=64)
+    with pytest.raises(ValueError, match="epilogue"):
+        ex.add_op(ops.OPS["matmul"], ops.DTYPES["pk_i4s"], -1, [16, 64, 32, 0, 7], [], [(b, 0), None, pw.data, None, (b, 0), None])
+    with pytest.raises(ValueError, match="pre-quantized"):  # float activations cannot take int8 input
+        ex.add_op(ops.OPS["matmul"], ops.DTYPES["pk_i4s"], -1, [16, 64, 32, 1, 0, 1], [], [(b, 0), None, pw.data, None, (b, 0), None, (b, 0), None])
+    tiny = _exe("ref", 1, 64, scratch=64)  # scratch grows at add_op to what the op needs
     tb = tiny.alloc_buffer(1 << 16)
-    with pytest.raises(ValueError, match="scratch"):
-        tiny.add_op(ops.OPS["matmul"], ops.DTYPES["pk_i4s"], -1, [16, 64, 32, 0], [], [(tb, 0), None, pw.data, None, (tb, 0), None])
+    before = tiny.allocations
+    tiny.add_op(ops.OPS["matmul"], ops.DTYPES["pk_i4s"], -1, [16, 64, 32, 0], [], [(tb, 0), None, pw.data, None, (tb, 0), None])
+    assert tiny.allocations == before + 1
     assert TILE_ROWS == 16
 
 

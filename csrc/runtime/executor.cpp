@@ -65,7 +65,11 @@ int64_t Executor::buffer_size(int id) const {
 namespace {
 
 const char* kOpNames[OP_COUNT] = {"embed", "rmsnorm", "matmul", "rope", "kv_write",
-                                  "attention", "swiglu", "add", "gather"};
+                                  "attention", "swiglu", "add", "gather", "add_rmsnorm"};
+
+// Matmul epilogues / prologues (kernels/matmul.inc).
+constexpr int EPI_STORE = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2, EPI_QKV = 3;
+constexpr int PRO_NONE = 0, PRO_PREQUANT = 1, PRO_RMSNORM = 2;
 
 // Overflow-checked size arithmetic: a size that does not fit is bad input.
 int64_t cmul(int64_t a, int64_t b) {
@@ -83,7 +87,7 @@ int64_t cadd(int64_t a, int64_t b) {
 void check_shape(const Op& op) {
   static const int need[OP_COUNT][4] = {
       {0, -1, -1, -1}, {0, -1, -1, -1}, {0, 1, -1, -1}, {0, 1, 3, -1}, {0, -1, -1, -1},
-      {0, 1, 2, 3},    {0, -1, -1, -1}, {0, -1, -1, -1}, {0, -1, -1, -1}};
+      {0, 1, 2, 3},    {0, -1, -1, -1}, {0, -1, -1, -1}, {0, -1, -1, -1}, {0, -1, -1, -1}};
   for (int k : need[op.kind])
     if (k >= 0 && op.i[k] <= 0)
       throw std::invalid_argument(std::string(kOpNames[op.kind]) + ": size " + std::to_string(k) + " must be > 0");
@@ -93,8 +97,8 @@ void check_shape(const Op& op) {
 
 // Bytes each operand is read/written at most, for the largest step.
 // Order: x, x2, w, w2, out, out2.
-void operand_extents(const Op& op, const ExecConfig& c, int64_t ext[6]) {
-  for (int i = 0; i < 6; ++i) ext[i] = 0;
+void operand_extents(const Op& op, const ExecConfig& c, int64_t ext[OP_OPERANDS]) {
+  for (int i = 0; i < OP_OPERANDS; ++i) ext[i] = 0;
   const int64_t T = c.max_tokens;
   const int64_t M = op.rows == ROWS_TOKENS ? T : op.rows == ROWS_OUT ? c.max_out : op.rows;
   const int64_t f = sizeof(float);
@@ -104,12 +108,35 @@ void operand_extents(const Op& op, const ExecConfig& c, int64_t ext[6]) {
       ext[4] = cmul(cmul(T, op.i[0]), f);
       break;
     case OP_RMSNORM: ext[0] = ext[4] = cmul(cmul(M, op.i[0]), f); ext[2] = cmul(op.i[0], f); break;
-    case OP_MATMUL:
-      ext[0] = cmul(cmul(M, op.i[1]), f);
-      ext[4] = cmul(cmul(M, op.i[0]), f);
-      ext[2] = is_packed(op.wtype) ? packed_bytes(op.wtype, op.i[0], op.i[1], op.i[2])
-                                   : cmul(op.i[0], row_bytes(op.wtype, op.i[1]));
+    case OP_MATMUL: {
+      const int64_t N = op.i[0], K = op.i[1], epi = op.i[4], pro = op.i[5];
+      const int64_t cols = epi == EPI_SWIGLU ? N / 2 : epi == EPI_QKV ? op.i[6] : N;
+      ext[0] = pro == PRO_PREQUANT ? 0 : cmul(cmul(M, K), f);
+      ext[4] = cmul(cmul(M, cols), f);
+      ext[2] = is_packed(op.wtype) ? packed_bytes(op.wtype, N, K, op.i[2]) : cmul(N, row_bytes(op.wtype, K));
+      if (pro == PRO_PREQUANT) {
+        const int64_t G = op.i[2], kpad = cmul((K + G - 1) / G, G);
+        ext[6] = cadd(cadd(cmul(M, kpad), 63) / 64 * 64, cmul(cmul(8, M), kpad / G));
+      }
+      if (pro == PRO_RMSNORM) ext[6] = cmul(K, f);
+      if (epi == EPI_RESIDUAL) ext[7] = ext[4];
+      if (epi == EPI_QKV) {
+        ext[1] = ext[3] = cmul(cmul(c.max_pos, op.i[8] / 2), f);  // sin, cos tables
+        ext[5] = cmul(cmul(c.kv_slots, op.i[7]), f);              // K pool (f32)
+        ext[7] = ext[5];                                           // V pool
+      }
       break;
+    }
+    case OP_ADD_RMSNORM: {
+      const int64_t n = op.i[0], G = op.i[1];
+      ext[0] = ext[4] = ext[1] = ext[5] = cmul(cmul(M, n), f);
+      ext[2] = cmul(n, f);
+      if (G > 0) {
+        const int64_t kpad = cmul((n + G - 1) / G, G);
+        ext[6] = cadd(cadd(cmul(M, kpad), 63) / 64 * 64, cmul(cmul(8, M), kpad / G));
+      }
+      break;
+    }
     case OP_ROPE:
       ext[0] = ext[4] = cadd(cmul(cmul(T - 1, op.i[3]), f), cmul(cmul(op.i[0], op.i[1]), f));
       ext[2] = ext[3] = cmul(cmul(c.max_pos, op.i[1] / 2), f);
@@ -131,11 +158,38 @@ void operand_extents(const Op& op, const ExecConfig& c, int64_t ext[6]) {
   }
 }
 
+// Per-thread scratch (floats) an op's kernel uses for the largest step; the
+// executor grows its scratch to the largest need at add_op (never in a step).
+int64_t op_scratch_floats(const Op& op, const ExecConfig& c) {
+  const int64_t M = op.rows == ROWS_TOKENS ? c.max_tokens : op.rows == ROWS_OUT ? c.max_out : op.rows;
+  switch (op.kind) {
+    case OP_MATMUL: {
+      const int64_t K = op.i[1], keep = cmul(M, TILE), pro = op.i[5];
+      const int64_t rows = pro == PRO_RMSNORM ? cmul(M, K) : 0;
+      if (!is_packed(op.wtype)) return cadd(cadd(cmul(TILE, K), keep), rows) + 64;
+      const int64_t G = op.i[2];
+      if (op.i[3]) return cadd(cadd(cmul(TILE, G), keep), rows) + 64;
+      if (pro == PRO_PREQUANT) return keep + 64;
+      const int64_t kpad = cmul((K + G - 1) / G, G);
+      const int64_t qbytes = cadd(cadd(cmul(M, kpad), 63) / 64 * 64, cmul(cmul(8, M), kpad / G));
+      return cadd(cadd(keep, K + 16), qbytes / 4 + 1) + 64;
+    }
+    case OP_ATTENTION: {  // kernels/attention_tiled.inc attention_scratch_floats
+      const int64_t group = op.i[0] / op.i[1], hd = op.i[2], bs = op.i[3];
+      const int64_t tiled = cadd(cadd(cmul(cmul(2, bs), hd), cmul(cmul(16, group), hd + 2)), 4 * bs + 2 * hd);
+      const int64_t rows = cadd(cmul(group, cmul(c.max_blocks, bs)), 2 * hd);
+      return (tiled > rows ? tiled : rows) + 64;
+    }
+    case OP_ADD_RMSNORM: return op.i[0] + 64;
+    default: return 0;
+  }
+}
+
 }  // namespace
 
-void Executor::add_op(Op op, const Operand opnd[6]) {
+void Executor::add_op(Op op, const Operand opnd[OP_OPERANDS]) {
   if (op.kind < 0 || op.kind >= OP_COUNT) throw std::invalid_argument("add_op: unknown op kind");
-  for (int k = 0; k < 6; ++k)
+  for (int k = 0; k < OP_INTS; ++k)
     if (op.i[k] < 0) throw std::invalid_argument(std::string(kOpNames[op.kind]) + ": negative size");
   if (op.rows < ROWS_OUT || op.rows > cfg_.max_tokens) throw std::invalid_argument("add_op: bad row count");
   check_shape(op);
@@ -147,17 +201,23 @@ void Executor::add_op(Op op, const Operand opnd[6]) {
       const int64_t G = op.i[2];
       if (G <= 0 || G % 8 != 0 || G > (int64_t)1 << 20) throw std::invalid_argument("add_op: packed group must be a positive multiple of 8");
       if (op.kind == OP_EMBED && op.i[1] <= 0) throw std::invalid_argument("embed: packed table needs its row count");
-      if (op.kind == OP_MATMUL) {
-        const int64_t kpad = cmul((k + G - 1) / G, G), ng = kpad / G;
-        const int64_t M = op.rows == ROWS_TOKENS ? cfg_.max_tokens : op.rows == ROWS_OUT ? cfg_.max_out : op.rows;
-        const int64_t need = op.i[3] ? cmul(cmul(TILE, G), 4) : cadd(cadd(cmul(M, kpad), cmul(cmul(8, M), ng)), 128);
-        if (need > cmul(cfg_.scratch_floats, 4)) throw std::invalid_argument("add_op: packed matmul exceeds scratch");
-      }
-    } else {
-      if (op.wtype >= Q8_0 && k % QK != 0)
-        throw std::invalid_argument("add_op: quantized rows need K % 32 == 0");
-      if (op.kind == OP_MATMUL && op.i[1] > cfg_.scratch_floats)
-        throw std::invalid_argument("add_op: K exceeds scratch");
+    } else if (op.wtype >= Q8_0 && k % QK != 0) {
+      throw std::invalid_argument("add_op: quantized rows need K % 32 == 0");
+    }
+  }
+  if (op.kind == OP_MATMUL) {
+    const int64_t N = op.i[0], epi = op.i[4], pro = op.i[5];
+    if (epi < EPI_STORE || epi > EPI_QKV || pro < PRO_NONE || pro > PRO_RMSNORM)
+      throw std::invalid_argument("matmul: unknown epilogue or prologue");
+    if (pro == PRO_PREQUANT && (!is_packed(op.wtype) || op.i[3]))
+      throw std::invalid_argument("matmul: pre-quantized input needs packed weights with int8 activations");
+    if (epi == EPI_SWIGLU && (N % (2 * TILE) != 0))
+      throw std::invalid_argument("matmul: swiglu epilogue needs alternating 16-row gate/up tiles (N % 32 == 0)");
+    if (epi == EPI_QKV) {
+      const int64_t nq = op.i[6], nk = op.i[7], hd = op.i[8];
+      if (nq <= 0 || nk <= 0 || hd <= 0 || hd % 2 || nq % TILE || nk % TILE || nq % hd || nk % hd ||
+          cadd(nq, cmul(2, nk)) != N)
+        throw std::invalid_argument("matmul: qkv epilogue needs N = q + 2 kv columns, 16-aligned, whole heads");
     }
   }
   if (op.kind == OP_KV_WRITE || op.kind == OP_ATTENTION) {  // KV storage types
@@ -170,20 +230,15 @@ void Executor::add_op(Op op, const Operand opnd[6]) {
     if (op.i[1] == 0 || op.i[0] % op.i[1] != 0 || op.i[3] == 0)
       throw std::invalid_argument("attention: heads must be a multiple of kv_heads; block_size > 0");
     if (op.i[3] != cfg_.block_size) throw std::invalid_argument("attention: block size differs from the pool's");
-    // The tiled kernel (kernels/attention_tiled.inc, attention_scratch_floats):
-    // decode: scores of every head of a group over the longest context + 2 heads;
-    // prefill: K^T and V tiles, the run's output rows, running max / sum.
-    const int64_t group = op.i[0] / op.i[1], hd = op.i[2], bs = op.i[3];
+    const int64_t group = op.i[0] / op.i[1];
     if (group > 64) throw std::invalid_argument("attention: more than 64 query heads per kv head");
-    const int64_t tiled = cadd(cadd(cmul(cmul(2, bs), hd), cmul(cmul(16, group), hd + 2)), 4 * bs + 2 * hd);
-    const int64_t rows = cadd(cmul(group, cmul(cfg_.max_blocks, bs)), 2 * hd);
-    if ((tiled > rows ? tiled : rows) + 64 > cfg_.scratch_floats)
-      throw std::invalid_argument("attention: context exceeds scratch");
   }
-  int64_t ext[6];
+  if (op.kind == OP_ADD_RMSNORM && op.i[1] % 8 != 0)
+    throw std::invalid_argument("add_rmsnorm: quantize-on-write group must be a multiple of 8");
+  int64_t ext[OP_OPERANDS];
   operand_extents(op, cfg_, ext);
-  void* ptrs[6];
-  for (int k = 0; k < 6; ++k) {
+  void* ptrs[OP_OPERANDS];
+  for (int k = 0; k < OP_OPERANDS; ++k) {
     const Operand& o = opnd[k];
     if (o.buffer >= 0) {
       if (o.buffer >= (int)buffers_.size()) throw std::invalid_argument("add_op: no such buffer");
@@ -201,7 +256,7 @@ void Executor::add_op(Op op, const Operand opnd[6]) {
   }
   if (op.kind == OP_EMBED) {  // table rows, for the token-id check in run()
     const int64_t avail = opnd[2].buffer >= 0 ? buffers_[opnd[2].buffer].size - opnd[2].offset : opnd[2].nbytes;
-    op.i[5] = is_packed(op.wtype) ? op.i[1] : avail / row_bytes(op.wtype, op.i[0]);
+    op.i[OP_INTS - 1] = is_packed(op.wtype) ? op.i[1] : avail / row_bytes(op.wtype, op.i[0]);
   }
   op.x = (float*)ptrs[0];
   op.x2 = (const float*)ptrs[1];
@@ -209,6 +264,17 @@ void Executor::add_op(Op op, const Operand opnd[6]) {
   op.w2 = ptrs[3];
   op.out = (float*)ptrs[4];
   op.out2 = (float*)ptrs[5];
+  op.e0 = ptrs[6];
+  op.e1 = ptrs[7];
+  // Scratch is sized from the Program, here, never inside a step.
+  const int64_t need = op_scratch_floats(op, cfg_);
+  if (need > cfg_.scratch_floats) {
+    cfg_.scratch_floats = need;
+    scratch_.assign((size_t)cfg_.n_threads * (need + 16), 0.f);
+    ctx_.scratch = scratch_.data();
+    ctx_.scratch_floats = need + 16;
+    ++allocations_;
+  }
   ops_.push_back(op);
 }
 
@@ -222,7 +288,7 @@ void Executor::run(int n_tokens, const int32_t* tokens, const int32_t* positions
   if (n_out < 0 || n_out > n_tokens || n_out > cfg_.max_out) throw std::invalid_argument("run: bad output row count");
   int64_t vocab_rows = -1;
   for (const Op& op : ops_)  // the smallest table bounds every token id
-    if (op.kind == OP_EMBED && (vocab_rows < 0 || op.i[5] < vocab_rows)) vocab_rows = op.i[5];
+    if (op.kind == OP_EMBED && (vocab_rows < 0 || op.i[OP_INTS - 1] < vocab_rows)) vocab_rows = op.i[OP_INTS - 1];
   // Attention reads block_tables[s][j / block_size] for j <= position.
   const int64_t ctx_limit = (int64_t)max_blocks * cfg_.block_size;
   const int64_t n_blocks = cfg_.kv_slots / cfg_.block_size;

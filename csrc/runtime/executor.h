@@ -51,10 +51,10 @@ class Executor {
   int64_t buffer_size(int id) const;
   int64_t allocations() const { return allocations_; }
 
-  // Appends an op. Operand order: x, x2, w, w2, out, out2 (unused: buffer -1,
+  // Appends an op. Operand order: x, x2, w, w2, out, out2, e0, e1 (unused: buffer -1,
   // ptr null). Throws std::invalid_argument if any operand would be read or
   // written outside its memory for the largest step this executor accepts.
-  void add_op(Op op, const Operand opnd[6]);
+  void add_op(Op op, const Operand opnd[OP_OPERANDS]);
   size_t num_ops() const { return ops_.size(); }
   int op_kind(size_t k) const { return ops_.at(k).kind; }
 

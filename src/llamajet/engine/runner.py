@@ -29,32 +29,6 @@ from llamajet.model.llama import build_graph
 from llamajet.quant.convert import prepare_weights
 
 
-def _packed_scratch_floats(graph, max_rows: int, act_int8: bool) -> int:
-    """Per-thread scratch (floats) the packed matmuls need (the executor's
-    add_op check): int8 rows + scales for W*A8, one dequantized tile group
-    for W*A16."""
-    need = 0
-    for n in graph.nodes:
-        w = graph.weights.get(n.inputs[1]) if n.op == "matmul" else None
-        if w is None or not hasattr(w, "group"):
-            continue
-        G, K = w.group, w.shape[1]
-        kpad = -(-K // G) * G
-        nbytes = max_rows * kpad + 8 * max_rows * (kpad // G) + 128 if act_int8 else 16 * G * 4
-        need = max(need, -(-nbytes // 4))
-    return need
-
-
-def _attention_scratch_floats(cfg, block_size: int, max_blocks: int) -> int:
-    """Per-thread scratch of the attention kernel (csrc/kernels/attention_tiled.inc):
-    decode: every head of a group's scores over the longest context; prefill:
-    K^T / V tiles of one block and the output rows of a 16-token run."""
-    group, hd, bs = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, block_size
-    tiled = 2 * bs * hd + 16 * group * (hd + 2) + 4 * bs + 2 * hd
-    rows = group * max_blocks * bs + 2 * hd
-    return max(tiled, rows) + 64
-
-
 @dataclass(frozen=True)
 class StepBatch:
     """Inputs of one step; int32 arrays (see csrc/common.h StepCtx)."""
@@ -93,13 +67,11 @@ class ModelRunner:
         self.weights = prepare_weights(model.weights, kernels, scheme)
         self.graph = build_graph(cfg, self.weights, max_model_len)
         self.plan: MemoryPlan = plan_memory(self.graph, {"T": max_tokens, "O": self.max_out})
-        max_k = max(cfg.hidden_size, cfg.intermediate_size, _packed_scratch_floats(self.graph, max_tokens,
-                                                                                   kernels == "fast"))
         self.exe = ops.Executor(
             isa=ops.resolve_isa(isa), n_threads=n_threads or ops.default_threads(),
             max_tokens=max_tokens, max_out=self.max_out, max_seqs=max_seqs, max_blocks=self.max_blocks,
             kv_slots=self.num_blocks * block_size, block_size=block_size, max_pos=max_model_len,
-            scratch_floats=max(max_k, _attention_scratch_floats(cfg, block_size, self.max_blocks)))
+            scratch_floats=0)  # the executor sizes per-thread scratch from the ops it is given
         self.arena = self.exe.alloc_buffer(self.plan.arena_bytes)
         num_slots = self.num_blocks * block_size
         # Not zeroed, committed lazily: an unused block costs no RSS.
