@@ -108,7 +108,7 @@ def test_saved_weights_are_views_of_the_mapped_file(smol_saved, monkeypatch):
     # Loading never quantizes or repacks: make both impossible, LLM still runs on the very same arrays.
     def refuse(*a, **k):
         raise AssertionError("a saved model must not be re-quantized at load")
-    monkeypatch.setattr(convert, "quantize_rtn", refuse)
+    monkeypatch.setattr(convert.ops, "quantize_packed", refuse)  # the quantizer prepare_weights calls
     monkeypatch.setattr(convert, "repack_gguf", refuse)
     llm = LLM(out, max_model_len=64, n_threads=2)
     for name, w in llm.engine.runner.weights.items():
@@ -122,7 +122,9 @@ def rss():
     return {l.split(':')[0]: int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('Rss')}
 from llamajet import LLM
 r0 = rss()
-llm = LLM(sys.argv[1], max_model_len=128, n_threads=2)  # held: freeing it would unmap the file
+# fuse=False: the fusion passes stack Q/K/V and gate/up into new matrices once at
+# load (a copy, ~44 MB here); without them every weight stays the mapped file.
+llm = LLM(sys.argv[1], max_model_len=128, n_threads=2, fuse=False)  # held: freeing it would unmap the file
 llm.logits([1, 2, 3, 4])
 r1 = rss()
 print(r1['RssAnon'] - r0['RssAnon'], r1['RssFile'] - r0['RssFile'])

@@ -240,6 +240,12 @@ void Executor::add_op(Op op, const Operand opnd[OP_OPERANDS]) {
   void* ptrs[OP_OPERANDS];
   for (int k = 0; k < OP_OPERANDS; ++k) {
     const Operand& o = opnd[k];
+    // add_rmsnorm's residual (x2 / out2), h (out) and int8 copy (e0) are optional
+    const bool optional = op.kind == OP_ADD_RMSNORM && (k == 1 || k == 4 || k == 5 || k == 6);
+    if (optional && o.buffer < 0 && o.ptr == nullptr) {
+      ptrs[k] = nullptr;
+      continue;
+    }
     if (o.buffer >= 0) {
       if (o.buffer >= (int)buffers_.size()) throw std::invalid_argument("add_op: no such buffer");
       if (o.offset < 0 || o.offset % 4 != 0 || cadd(o.offset, ext[k]) > buffers_[o.buffer].size)
@@ -266,6 +272,9 @@ void Executor::add_op(Op op, const Operand opnd[OP_OPERANDS]) {
   op.out2 = (float*)ptrs[5];
   op.e0 = ptrs[6];
   op.e1 = ptrs[7];
+  if (op.kind == OP_ADD_RMSNORM && ((ptrs[1] == nullptr) != (ptrs[5] == nullptr) ||
+                                    (ptrs[6] == nullptr) != (op.i[1] == 0)))
+    throw std::invalid_argument("add_rmsnorm: x2 needs out2 (the residual), e0 needs a group and vice versa");
   // Scratch is sized from the Program, here, never inside a step.
   const int64_t need = op_scratch_floats(op, cfg_);
   if (need > cfg_.scratch_floats) {

@@ -25,6 +25,8 @@ from llamajet import ops
 from llamajet.graph.lower import KV_DTYPES, KVLayout, lower
 from llamajet.graph.planner import MemoryPlan, plan_memory
 from llamajet.loaders import LoadedModel
+from llamajet.graph.passes import FusionContext
+from llamajet.graph.passes import fuse as fuse_graph
 from llamajet.model.llama import build_graph
 from llamajet.quant.convert import prepare_weights
 
@@ -46,7 +48,7 @@ class ModelRunner:
                  max_out: int = 64, max_seqs: int = 1, block_size: int = 16,
                  num_blocks: int | None = None, n_threads: int | None = None,
                  isa: str | None = None, kv_dtype: str = "f32", kernels: str = "fast",
-                 scheme: str | None = None) -> None:
+                 scheme: str | None = None, fuse: bool = True) -> None:
         cfg = model.config
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype={kv_dtype!r}: use one of {', '.join(KV_DTYPES)}")
@@ -66,6 +68,9 @@ class ModelRunner:
         self.kernels = kernels
         self.weights = prepare_weights(model.weights, kernels, scheme)
         self.graph = build_graph(cfg, self.weights, max_model_len)
+        # Fusion passes (graph/passes): fused weights are stacked once, here.
+        self.fusion_log = (fuse_graph(self.graph, FusionContext(act_int8=kernels == "fast", kv_dtype=kv_dtype))
+                           if fuse else [])
         self.plan: MemoryPlan = plan_memory(self.graph, {"T": max_tokens, "O": self.max_out})
         self.exe = ops.Executor(
             isa=ops.resolve_isa(isa), n_threads=n_threads or ops.default_threads(),

@@ -35,7 +35,7 @@ class TensorSpec:
         n = 1
         for d in self.shape:
             n *= sizes[d] if isinstance(d, str) else d
-        return n * {"f32": 4, "i32": 4}.get(self.dtype, 4)
+        return n * {"f32": 4, "i32": 4, "i8": 1}.get(self.dtype, 4)
 
 
 @dataclass

@@ -64,6 +64,11 @@ class KVLayout:
         return 2 * num_layers * KVLayout(-1, num_slots, kv_heads, head_dim, 1, dtype).pool_bytes
 
 
+# matmul epilogue / prologue codes (csrc/kernels/matmul.inc)
+_EPI = {"store": 0, "residual": 1, "swiglu": 2, "qkv": 3}
+_PRO = {"none": 0, "prequant": 1, "rmsnorm": 2}
+
+
 def _rows(graph: Graph, tensor: str) -> int:
     lead = graph.tensors[tensor].shape[0]
     return {"T": ops.ROWS_TOKENS, "O": ops.ROWS_OUT}.get(lead, lead)
@@ -95,9 +100,31 @@ def lower(graph: Graph, plan: MemoryPlan, exe, arena: int, kv: KVLayout, act_int
         elif n.op == "matmul":
             w = graph.weights[n.inputs[1]]
             N, K = w.shape
-            ints = [N, K, w.group, 0 if act_int8 else 1] if hasattr(w, "group") else [N, K]
-            ops_args = dict(wtype=w.dtype, rows=_rows(graph, out), ints=ints, floats=[],
-                            opnd=[a(x), None, w.data, None, a(out), None])
+            epi, pro = at.get("epilogue", "store"), at.get("prologue", "none")
+            packed = hasattr(w, "group")
+            ints = [N, K, w.group if packed else 0, int(packed and not act_int8), _EPI[epi], _PRO[pro],
+                    at.get("nq", 0), at.get("nk", 0), at.get("head_dim", 0)]
+            opnd = [None if pro == "prequant" else a(x), None, w.data, None, a(out), None, None, None]
+            floats = []
+            if pro == "prequant":
+                opnd[6] = a(at["qin"])
+            elif pro == "rmsnorm":
+                opnd[6], floats = wt(at["norm_w"]), [at["eps"]]
+            if epi == "residual":
+                opnd[7] = a(at["res"])
+            elif epi == "qkv":
+                L = at["layer"]
+                opnd[1], opnd[3] = wt(at["sin"]), wt(at["cos"])
+                opnd[5], opnd[7] = (kv.buffer, kv.offset(L, 0)), (kv.buffer, kv.offset(L, 1))
+            ops_args = dict(wtype=w.dtype, rows=_rows(graph, out), ints=ints, floats=floats, opnd=opnd)
+        elif n.op == "add_rmsnorm":
+            outs = at["outs"]
+            n_cols = graph.tensors[x].shape[-1]
+            opnd = [a(x), a(n.inputs[1]) if at["has_add"] else None, wt(n.inputs[-1]), None,
+                    a(outs["h"]) if "h" in outs else None, a(outs["r"]) if "r" in outs else None,
+                    a(outs["q"]) if "q" in outs else None, None]
+            ops_args = dict(wtype="f32", rows=_rows(graph, x), ints=[n_cols, at["group"]],
+                            floats=[at["eps"]], opnd=opnd)
         elif n.op == "rope":
             H, hd = at["heads"], at["head_dim"]
             ops_args = dict(wtype="f32", rows=ops.ROWS_TOKENS, ints=[H, hd, int(at["interleaved"]), H * hd],

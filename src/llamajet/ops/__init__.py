@@ -32,6 +32,7 @@ OPS = {
     "swiglu": 6,
     "add": 7,
     "gather": 8,
+    "add_rmsnorm": 9,
 }
 
 # Leading-dimension codes resolved per step by the executor.

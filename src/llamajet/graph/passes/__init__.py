@@ -1,0 +1,43 @@
+"""Fusion passes over the Graph IR, one file each.
+
+Each pass is a pattern rewrite that checks its legality rules first and
+leaves the graph unchanged where one fails:
+  - no cycle: the fused node takes the place of the pattern's first node, and
+    every input it reads is produced before that place;
+  - an intermediate the fusion removes has no consumer outside the pattern;
+  - same dtype / storage kind, compatible shapes (tile and head alignment).
+Order: qkv -> gate_up -> residual -> norm_head -> add_rmsnorm (the later ones
+match what the earlier ones leave: once o-proj absorbs its residual add there
+is no add left before the next norm, and that norm then quantizes on write).
+
+``fuse(graph, ctx)`` runs them in order and returns the log of rewrites.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llamajet.graph.ir import Graph
+
+
+@dataclass(frozen=True)
+class FusionContext:
+    """What the passes must know about how the graph will run."""
+
+    act_int8: bool = True   # packed matmuls take int8 activations (W*A8)
+    kv_dtype: str = "f32"   # the KV-cache storage type (the QKV epilogue writes fp32 rows)
+
+
+def fuse(graph: Graph, ctx: FusionContext | None = None, only: tuple[str, ...] | None = None) -> list[str]:
+    """Runs the passes (or those named in `only`) in order; returns the log."""
+    from llamajet.graph.passes import add_rmsnorm, gate_up, norm_head, qkv, residual
+
+    ctx = ctx or FusionContext()
+    passes = [("qkv", qkv.run), ("gate_up", gate_up.run), ("residual", residual.run),
+              ("norm_head", norm_head.run), ("add_rmsnorm", add_rmsnorm.run)]
+    log: list[str] = []
+    for name, p in passes:
+        if only is None or name in only:
+            log += p(graph, ctx)
+    graph.verify()
+    return log

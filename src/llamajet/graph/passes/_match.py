@@ -1,0 +1,89 @@
+"""Helpers shared by the passes: graph queries and weight packing at load."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from llamajet.graph.ir import Graph, Node
+from llamajet.quant.pack import PackedWeight, pack, unpack
+from llamajet.quant.schemes import TILE_ROWS
+
+PACKED_KINDS = ("pk_i4s", "pk_i4a", "pk_i8")
+
+
+def only_consumer(graph: Graph, tensor: str) -> Node | None:
+    """The single node reading `tensor` (None if zero or several, or if it is a graph output)."""
+    if tensor in graph.outputs:
+        return None
+    cs = graph.consumers(tensor)
+    return cs[0] if len(cs) == 1 else None
+
+
+def index(graph: Graph, node: Node) -> int:
+    return next(i for i, n in enumerate(graph.nodes) if n is node)
+
+
+def same_kind(ws) -> bool:
+    """Weights whose rows can be stacked into one matrix: same storage type,
+    same K, and for packed ones the same scheme."""
+    w0 = ws[0]
+    return all(w.dtype == w0.dtype and w.shape[1] == w0.shape[1] and
+               getattr(w, "scheme", None) == getattr(w0, "scheme", None) for w in ws)
+
+
+def is_packed(w) -> bool:
+    return isinstance(w, PackedWeight)
+
+
+def _row_view(w) -> np.ndarray:
+    """Raw storage of a row-major weight as [N, row bytes] uint8."""
+    return np.ascontiguousarray(w.data).view(np.uint8).reshape(w.shape[0], -1)
+
+
+def _raw(name: str, like, rows: np.ndarray, n: int):
+    from llamajet.loaders import WeightTensor
+
+    dt = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}.get(like.dtype, np.uint8)
+    data = rows.view(dt).reshape(n, -1) if dt is not np.uint8 else rows.reshape(n, -1)
+    return WeightTensor(name, like.dtype, (n, like.shape[1]), data, rope_interleaved=True)
+
+
+def stack_rows(name: str, ws):
+    """[W0; W1; ...] along N (each N a multiple of 16 for packed ones: whole tiles)."""
+    n = sum(w.shape[0] for w in ws)
+    if is_packed(ws[0]):
+        data = np.concatenate([w.data for w in ws], axis=0)
+        return PackedWeight(name, ws[0].scheme, (n, ws[0].shape[1]), data, rope_interleaved=True)
+    return _raw(name, ws[0], np.concatenate([_row_view(w) for w in ws], axis=0), n)
+
+
+def interleave_tiles(name: str, g, u):
+    """Gate and up rows alternating in 16-row tiles: [g0..15, u0..15, g16..31, ...]."""
+    n = 2 * g.shape[0]
+    if is_packed(g):
+        data = np.stack([g.data, u.data], axis=1).reshape(-1, *g.data.shape[1:])
+        return PackedWeight(name, g.scheme, (n, g.shape[1]), data)
+    gr, ur = _row_view(g), _row_view(u)
+    rows = np.stack([gr.reshape(-1, TILE_ROWS, gr.shape[1]), ur.reshape(-1, TILE_ROWS, ur.shape[1])], axis=1)
+    w = _raw(name, g, rows.reshape(n, -1), n)
+    return w
+
+
+def rope_interleave_rows(w, heads: int, hd: int):
+    """Rows of a q/k projection from rotate-half order (pairs j, j + hd/2) to
+    interleaved order (pairs 2j, 2j+1): row 2j <- j, row 2j+1 <- j + hd/2 within
+    each head. q.k is unchanged when q and k are permuted alike."""
+    if getattr(w, "rope_interleaved", False):
+        return w
+    perm = np.arange(heads * hd).reshape(heads, 2, hd // 2).transpose(0, 2, 1).reshape(-1)
+    if is_packed(w):
+        codes, d, m = unpack(w)
+        n = w.shape[0]
+        codes, d = codes.copy(), d.copy()
+        codes[:n], d[:n] = codes[:n][perm], d[:n][perm]
+        if m is not None:
+            m = m.copy()
+            m[:n] = m[:n][perm]
+        pw = pack(w.name, w.scheme, w.shape, codes, d, m)
+        return PackedWeight(pw.name, pw.scheme, pw.shape, pw.data, rope_interleaved=True)
+    return _raw(w.name, w, _row_view(w)[perm], w.shape[0])
