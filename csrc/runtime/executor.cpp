@@ -174,11 +174,9 @@ int64_t op_scratch_floats(const Op& op, const ExecConfig& c) {
       const int64_t qbytes = cadd(cadd(cmul(M, kpad), 63) / 64 * 64, cmul(cmul(8, M), kpad / G));
       return cadd(cadd(keep, K + 16), qbytes / 4 + 1) + 64;
     }
-    case OP_ATTENTION: {  // kernels/attention_tiled.inc attention_scratch_floats
+    case OP_ATTENTION: {  // kernels/attention_tiled.inc att_prefill: K^T, V tiles, 16 x group rows
       const int64_t group = op.i[0] / op.i[1], hd = op.i[2], bs = op.i[3];
-      const int64_t tiled = cadd(cadd(cmul(cmul(2, bs), hd), cmul(cmul(16, group), hd + 2)), 4 * bs + 2 * hd);
-      const int64_t rows = cadd(cmul(group, cmul(c.max_blocks, bs)), 2 * hd);
-      return (tiled > rows ? tiled : rows) + 64;
+      return cadd(cadd(cmul(cmul(2, bs), hd), cmul(cmul(16, group), hd + 2)), 4 * bs + 2 * hd) + 64;
     }
     case OP_ADD_RMSNORM: return op.i[0] + 64;
     default: return 0;

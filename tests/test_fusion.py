@@ -1,0 +1,207 @@
+"""Fusion passes: fused graphs compute what the unfused ones compute, and each
+legality rule, when it fails, makes its pass leave the graph unchanged."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from llamajet.engine.runner import ModelRunner, StepBatch
+from llamajet.graph.ir import Graph
+from llamajet.graph.passes import FusionContext, fuse
+from llamajet.loaders import load_model
+from llamajet.model.llama import build_graph
+from llamajet.quant.convert import prepare_weights
+
+PASSES = ("qkv", "gate_up", "residual", "norm_head", "add_rmsnorm")
+
+
+def _step(r: ModelRunner, ids, start: int, all_rows: bool) -> np.ndarray:
+    """One sequence in blocks 0, 1, ... (slot = position)."""
+    n = len(ids)
+    pos = np.arange(start, start + n, dtype=np.int32)
+    bt = np.arange(r.max_blocks, dtype=np.int32)[None]
+    rows = np.arange(n, dtype=np.int32) if all_rows else np.array([n - 1], np.int32)
+    return r.execute(StepBatch(np.array(ids, np.int32), pos, pos.copy(), np.zeros(n, np.int32), bt, rows)).copy()
+
+
+def _prefill_decode(model, ids, **kw):
+    r = ModelRunner(model, max_model_len=128, max_tokens=64, max_out=64, **kw)
+    out = [_step(r, ids[:-3], 0, True)]
+    for i in range(len(ids) - 3, len(ids)):  # then decode steps
+        out.append(_step(r, [ids[i]], i, False))
+    return np.concatenate(out), r
+
+
+def _only(monkeypatch, names):
+    import llamajet.engine.runner as runner_mod
+    from llamajet.graph import passes
+
+    monkeypatch.setattr(runner_mod, "fuse_graph", lambda g, ctx: passes.fuse(g, ctx, only=names))
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf):
+    return load_model(smollm2_gguf)
+
+
+@pytest.mark.parametrize("names", [(p,) for p in PASSES] + [PASSES], ids=lambda n: "+".join(n))
+def test_each_pass_is_exact_on_the_default_model(smollm2, names, monkeypatch):
+    """SmolLM2's GGUF q/k rows are already in interleaved RoPE order and every
+    fused kernel keeps the unfused order of operations (and the same vector
+    exp; fp contraction is off in the build): bit-identical logits."""
+    ids = list(np.random.default_rng(0).integers(0, smollm2.config.vocab_size, 24))
+    ref, _ = _prefill_decode(smollm2, ids, fuse=False)
+    _only(monkeypatch, names)
+    got, r = _prefill_decode(smollm2, ids, fuse=True)
+    assert r.fusion_log, "the pass must apply to this model"
+    np.testing.assert_array_equal(got, ref)
+
+
+@pytest.mark.parametrize("scheme", [None, "int8_g32"])
+def test_all_passes_on_stories260k(stories_hf, scheme):
+    """stories260K as fp32 and int8_g32. Its q/k rows are in HF rotate-half
+    order, so the QKV pass permutes them to interleaved order: q.k sums its
+    terms in another order, a few fp32 ulps per score (the scale of the
+    logits, ~10, times ~1e-6). Its FFN width 172 is no whole number of
+    16-row tiles, so gate/up must refuse."""
+    model = load_model(stories_hf)
+    ids = list(np.random.default_rng(1).integers(0, 512, 30))
+    ref, _ = _prefill_decode(model, ids, fuse=False, scheme=scheme)
+    got, r = _prefill_decode(model, ids, fuse=True, scheme=scheme)
+    assert not any(l.startswith("gate_up") for l in r.fusion_log)
+    assert any(l.startswith("qkv") for l in r.fusion_log)
+    tol = 1e-5 if scheme is None else 0.0
+    if scheme:  # int8 activations: a ulp that moves one activation across a
+        # rounding boundary moves its int8 code by one: allow such flips, bounded
+        # by the quantization step they cause (1/127 of a row's max, 1% of scale)
+        tol = 1e-2
+    assert np.abs(got - ref).max() <= tol * np.abs(ref).max()
+    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.95
+
+
+def test_random_llama3_fused_matches_transformers_tolerance(tmp_path):
+    """A random Llama-3 (GQA 4:1, head_dim 64, llama3 rope scaling) from
+    transformers: fused vs unfused within the fp32 reassociation bound of
+    the q/k permutation (see above), here 1e-5 of the logits' scale."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=64, max_position_embeddings=256,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 32})
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path, safe_serialization=True)
+    model = load_model(tmp_path)
+    ids = list(np.random.default_rng(2).integers(0, 512, 40))
+    for scheme in (None, "int4_asym_g32"):
+        ref, _ = _prefill_decode(model, ids, fuse=False, scheme=scheme)
+        got, r = _prefill_decode(model, ids, fuse=True, scheme=scheme)
+        # fp32 weights: the residual pass takes every add, and norms feeding fp32
+        # matmuls have nothing to quantize on write: add_rmsnorm has no match
+        want = set(PASSES) - ({"add_rmsnorm"} if scheme is None else set())
+        assert {l.split(":")[0] for l in r.fusion_log} == want
+        bound = 1e-5 if scheme is None else 1e-2  # int8 activation flips, as above
+        assert np.abs(got - ref).max() <= bound * np.abs(ref).max(), scheme
+
+
+# ------------------------------------------------------------------ legality
+
+
+def _graph(model, scheme="int8_g32"):
+    w = prepare_weights(model.weights, "fast", scheme)
+    return build_graph(model.config, w, 64)
+
+
+def _snapshot(g: Graph):
+    return [(n.name, n.op, list(n.inputs), list(n.outputs)) for n in g.nodes]
+
+
+def _spy(g: Graph, tensor: str):
+    """Adds a consumer of `tensor` (a node reading it), so the tensor may no longer disappear."""
+    out = g.tensor(f"spy.{tensor}", g.tensors[tensor].shape)
+    g.add(f"spy.{tensor}", "add", [tensor, tensor], [out])
+
+
+@pytest.fixture(scope="module")
+def tiny(stories_hf):
+    return load_model(stories_hf)
+
+
+@pytest.mark.parametrize("tensor,pass_name", [
+    ("blk.0.attn_q.out", "qkv"), ("blk.0.attn_k.out", "qkv"), ("blk.0.rope_k.out", "qkv"),
+    ("blk.0.attn_output.out", "residual"), ("output_norm.out", "norm_head"),
+])
+def test_intermediate_with_another_consumer_refuses(tiny, tensor, pass_name):
+    """A tensor the fusion would remove is also read elsewhere: the nodes that
+    produce and read it stay as they are (other blocks still fuse)."""
+    g = _graph(tiny)
+    _spy(g, tensor)
+    prod = g.producers()[tensor]
+    readers = [(n.name, n.op, list(n.inputs), list(n.outputs)) for n in g.consumers(tensor)]
+    before = (prod.name, prod.op, list(prod.inputs), list(prod.outputs))
+    log = fuse(g, only=(pass_name,))
+    assert tensor in g.tensors
+    p2 = g.producers()[tensor]
+    assert (p2.name, p2.op, list(p2.inputs), list(p2.outputs)) == before
+    assert [(n.name, n.op, list(n.inputs), list(n.outputs)) for n in g.consumers(tensor)] == readers
+    assert not any(prod.name in l for l in log)
+
+
+def test_gate_up_refuses_partial_tiles_and_other_consumers(tiny, smollm2):
+    g = _graph(tiny)  # F = 172: not whole 16-row tiles
+    snap = _snapshot(g)
+    assert fuse(g, only=("gate_up",)) == [] and _snapshot(g) == snap
+    g = _graph(smollm2, scheme=None)
+    _spy(g, "blk.3.ffn_gate.out")
+    log = fuse(g, only=("gate_up",))
+    assert len(log) == smollm2.config.num_layers - 1 and not any("blk.3." in l for l in log)
+
+
+def test_qkv_refuses_a_non_fp32_kv_cache_and_partial_tiles(tiny):
+    g = _graph(tiny)
+    snap = _snapshot(g)
+    assert fuse(g, FusionContext(kv_dtype="int8"), only=("qkv",)) == [] and _snapshot(g) == snap
+    g = _graph(tiny)
+    w = g.weights["blk.0.attn_k"]
+    g.weights["blk.0.attn_k"] = copy.copy(w)
+    object.__setattr__(g.weights["blk.0.attn_k"], "shape", (24, w.shape[1]))  # 24 rows: not whole tiles
+    log = fuse(g, only=("qkv",))
+    assert not any("blk.0." in l for l in log) and len(log) == tiny.config.num_layers - 1
+
+
+def test_residual_refuses_a_residual_produced_after_the_matmul():
+    """matmul(a) -> o; x = a + a computed after the matmul; r = x + o. Moving the
+    add into the matmul would read x before it exists: refused."""
+    from llamajet.loaders import WeightTensor
+
+    g = Graph()
+    w = WeightTensor("w", "f32", (16, 16), np.eye(16, dtype=np.float32))
+    a = g.tensor("a", ("T", 16))
+    g.add("src", "embed", [g.weight("tab", WeightTensor("tab", "f32", (4, 16), np.ones((4, 16), np.float32))),
+                           g.tensor("tokens", ("T",), "i32", kind="input")], [a])
+    o = g.tensor("o", ("T", 16))
+    g.add("proj", "matmul", [a, g.weight("w", w)], [o])
+    x = g.tensor("x", ("T", 16))
+    g.add("late", "add", [a, a], [x])
+    r = g.tensor("r", ("T", 16))
+    g.add("res", "add", [x, o], [r])
+    g.outputs.append(r)
+    snap = _snapshot(g)
+    assert fuse(g, only=("residual",)) == [] and _snapshot(g) == snap
+    # the same graph with x produced before the matmul fuses
+    g.nodes.insert(1, g.nodes.pop(2))
+    assert fuse(g, only=("residual",)) == ["residual: proj + res -> proj (+x)"]
+
+
+def test_quantize_on_write_needs_int8_packed_readers(tiny):
+    g = _graph(tiny, scheme=None)  # fp32 weights: the norm only fuses its add
+    log = fuse(g, only=("add_rmsnorm",))
+    assert log and not any("int8" in l for l in log)
+    g = _graph(tiny)  # int8_g32: now it also writes int8 rows
+    assert any("int8 g32" in l for l in fuse(g, only=("add_rmsnorm",)))
+    g = _graph(tiny)  # float activations (W8A16): no int8 on write
+    assert not any("int8" in l for l in fuse(g, FusionContext(act_int8=False), only=("add_rmsnorm",)))
