@@ -24,6 +24,7 @@ def bench_llamajet(llm, prompt_ids, new_tokens):
     from llamajet import SamplingParams
 
     p = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    llm.engine.blocks.reset_cache()  # every round a cold prefill, as llama.cpp's after reset()
     for _ in llm.engine.generate_ids(prompt_ids, p):
         pass
     s = llm.engine.last_stats

@@ -237,3 +237,23 @@ def test_stop_strings_end_sequences_inside_the_batch(stories_hf):
             assert s not in out.text
     assert batch[0].finish_reason == "stop"
     assert llm.engine.blocks.num_used == 0
+
+
+def test_cli_bench_runs_and_reports_kv_use(stories_hf, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "llamajet.cli", "bench", "--model", str(stories_hf), "--batch", "1,3",
+                        "--prompt-tokens", "20", "--max-tokens", "12", "--max-model-len", "64", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "decode tok/s" in r.stdout and "KV used" in r.stdout
+    res = json.loads(out.read_text())
+    assert [x["batch"] for x in res] == [1, 3]
+    for x in res:
+        # all prompts in the first step, then 11 decode-only steps in which every
+        # sequence holds 21..31 tokens in 2 blocks of 16
+        assert x["decode_tokens"] == x["batch"] * 11 and x["preemptions"] == 0
+        assert 21 / 32 <= x["kv_utilization"] <= 1

@@ -29,7 +29,7 @@ from llamajet.engine.config import EngineConfig
 from llamajet.engine.runner import ModelRunner, StepBatch
 from llamajet.engine.sampling import SamplingParams
 from llamajet.engine.scheduler import Scheduler
-from llamajet.engine.sequence import Sequence, Status, StreamEvent, TextStream
+from llamajet.engine.sequence import Sequence, StreamEvent, TextStream
 from llamajet.errors import RequestError
 
 __all__ = ["Engine", "EngineStats", "RequestStats", "StreamEvent"]

@@ -131,7 +131,7 @@ def main(a) -> int:
         raise SystemExit("llamajet bench: --batch takes positive integers, e.g. 1,4,16,64")
     length = a.prompt_tokens + a.max_tokens
     max_len = a.max_model_len or length
-    llm = LLM(a.model, n_threads=a.threads, isa=a.isa, max_model_len=max_len,
+    llm = LLM(a.model, n_threads=a.threads, isa=a.isa, max_model_len=max_len, kernels=getattr(a, "kernels", "fast"),
               max_num_seqs=max(batches), block_size=a.block_size, kv_dtype=a.kv_dtype,
               kv_cache_tokens=max(batches) * (-(-length // a.block_size)) * a.block_size)
     vocab = llm.config.vocab_size
