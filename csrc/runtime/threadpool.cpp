@@ -5,9 +5,11 @@
 
 namespace lj {
 namespace {
-// Spin iterations before a waiting worker yields / sleeps. ~50-100 us on a
-// current core: long enough to span the gap between two decode steps' Python
-// work, short enough not to burn a core when idle.
+// Spin iterations (pause) before a waiter sleeps on a futex. Between jobs:
+// ~1-3 ms, long enough to span the Python work between two decode steps.
+// Inside a job (barriers, the end-of-job wait): ~50-300 us, far longer than
+// any op's imbalance on an idle machine, short enough that a thread waiting
+// on a descheduled one gives its core away.
 constexpr int kSpinBeforeSleep = 20000;
 constexpr int kSpinBeforeYield = 2000;
 }  // namespace
@@ -37,9 +39,14 @@ void ThreadPool::run(JobFn fn, void* ctx) {
   fn(ctx, 0, nth_);
   // Wait for the other nth-1 workers to finish this job.
   int spins = 0;
-  while (done_.load(std::memory_order_acquire) != nth_ - 1) {
-    _mm_pause();
-    if (++spins > kSpinBeforeYield) std::this_thread::yield();
+  for (int d; (d = done_.load(std::memory_order_acquire)) != nth_ - 1;) {
+    if (++spins < kSpinBeforeYield) {
+      _mm_pause();
+    } else {
+      done_sleepers_.fetch_add(1, std::memory_order_seq_cst);
+      done_.wait(d, std::memory_order_seq_cst);
+      done_sleepers_.fetch_sub(1, std::memory_order_seq_cst);
+    }
   }
 }
 
@@ -49,13 +56,21 @@ void ThreadPool::barrier() {
   if (bar_count_.fetch_add(1, std::memory_order_acq_rel) == nth_ - 1) {
     // Last to arrive: reset the count before releasing the others.
     bar_count_.store(0, std::memory_order_relaxed);
-    bar_gen_.fetch_add(1, std::memory_order_release);
+    bar_gen_.fetch_add(1, std::memory_order_seq_cst);
+    if (bar_sleepers_.load(std::memory_order_seq_cst) > 0) bar_gen_.notify_all();
     return;
   }
   int spins = 0;
   while (bar_gen_.load(std::memory_order_acquire) == gen) {
-    _mm_pause();
-    if (++spins > kSpinBeforeYield) std::this_thread::yield();
+    if (++spins < kSpinBeforeYield) {
+      _mm_pause();
+    } else {
+      // NOTE: the sleeper count goes up before wait() re-checks bar_gen_, so a
+      // release between the two is seen by wait() (no lost wake-up).
+      bar_sleepers_.fetch_add(1, std::memory_order_seq_cst);
+      bar_gen_.wait(gen, std::memory_order_seq_cst);
+      bar_sleepers_.fetch_sub(1, std::memory_order_seq_cst);
+    }
   }
 }
 
@@ -74,7 +89,8 @@ void ThreadPool::worker(int ith) {
     seen = g;
     if (stop_.load(std::memory_order_acquire)) return;
     fn_(ctx_, ith, nth_);
-    done_.fetch_add(1, std::memory_order_release);
+    done_.fetch_add(1, std::memory_order_seq_cst);
+    if (done_sleepers_.load(std::memory_order_seq_cst) > 0) done_.notify_all();
   }
 }
 

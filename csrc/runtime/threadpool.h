@@ -5,7 +5,9 @@
 // So workers are created once, spin briefly (then sleep on a futex via
 // std::atomic::wait) between jobs, and ops inside one job are separated by a
 // user-space barrier. The calling thread is worker 0, so nth threads means
-// nth-1 extra OS threads.
+// nth-1 extra OS threads. A waiter spins briefly, then sleeps on a futex: when
+// the machine is oversubscribed (another process on the same cores) a
+// descheduled thread would otherwise make every barrier cost a time slice.
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -43,6 +45,10 @@ class ThreadPool {
   std::atomic<bool> stop_{false};
   alignas(64) std::atomic<int> bar_count_{0};
   alignas(64) std::atomic<uint32_t> bar_gen_{0};
+  // Threads asleep on bar_gen_ / done_ (futex): the releaser calls notify only
+  // when someone sleeps, so an uncontended barrier makes no system call.
+  alignas(64) std::atomic<int> bar_sleepers_{0};
+  std::atomic<int> done_sleepers_{0};
 };
 
 }  // namespace lj
