@@ -1,4 +1,4 @@
-"""The ``llamajet`` command: generate | chat | info | quantize | bench.
+"""The ``llamajet`` command: generate | chat | info | quantize | bench | graph.
 
 Flags mirror the API: --model is LLM(path), sampling flags are
 SamplingParams fields, --threads / --isa / --max-model-len are LLM options.
@@ -137,6 +137,45 @@ def cmd_bench(a) -> int:
     return bench_main(a)
 
 
+def cmd_graph(a) -> int:
+    """The step graph as ModelRunner builds it, planned for one phase."""
+    from llamajet import ops
+    from llamajet.graph.dot import to_dot
+    from llamajet.graph.passes import FusionContext, fuse
+    from llamajet.graph.planner import plan_memory
+    from llamajet.graph.show import describe, summary
+    from llamajet.loaders import load_model
+    from llamajet.model.llama import build_graph
+    from llamajet.models import default_model_path
+    from llamajet.quant.convert import prepare_weights
+
+    if a.tokens < 1:
+        raise LlamajetError(f"--tokens {a.tokens}: a prefill step has at least 1 token")
+    isa = ops.resolve_isa(a.isa)
+    symbols = {"T": 1 if a.phase == "decode" else a.tokens, "O": 1}
+    path = a.model or default_model_path()
+    model = load_model(path)
+    max_len = a.max_model_len or min(model.config.max_position_embeddings, 4096)  # as LLM's default
+    graph = build_graph(model.config, prepare_weights(model.weights, a.kernels), max_len)
+    style = dict(act_int8=a.kernels == "fast", kv_dtype=a.kv_dtype)
+    print(f"llamajet graph: {path}, phase {a.phase} (T={symbols['T']}, O={symbols['O']}), isa {isa}, "
+          f"kernels {a.kernels}")
+    if not a.no_fuse:  # the graph before the passes in one line, the listing after them
+        print(f"before passes: {summary(graph, plan_memory(graph, symbols))}")
+        log = fuse(graph, FusionContext(act_int8=a.kernels == "fast", kv_dtype=a.kv_dtype))  # as ModelRunner
+        print("passes:" + "".join(f"\n  {line}" for line in log) if log else "passes: no rewrites")
+    plan = plan_memory(graph, symbols)
+    if not a.no_fuse:
+        print(f"after passes:  {summary(graph, plan)}")
+    print()
+    print(describe(graph, plan, isa, **style))
+    if a.dot:
+        with open(a.dot, "w") as f:
+            f.write(to_dot(graph, plan, isa, **style))
+        print(f"wrote {a.dot}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="llamajet", description="LLaMA-3 inference on CPUs")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -177,6 +216,19 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--corpus", default=None, help="text the prompts are cut from (default: WikiText-2 test)")
     b.add_argument("--json", default=None, help="also write the results to this JSON file")
     b.set_defaults(fn=cmd_bench)
+    gr = sub.add_parser("graph", help="the step graph after the fusion passes: each node's kernel and arena "
+                                      "slot, arena size vs the naive sum of activations")
+    gr.add_argument("--model", "-m", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    gr.add_argument("--phase", choices=("decode", "prefill"), default="decode",
+                    help="decode: 1 token per step; prefill: --tokens per step")
+    gr.add_argument("--tokens", type=int, default=512, help="tokens of a prefill step")
+    gr.add_argument("--no-fuse", action="store_true", help="the graph as built, without the fusion passes")
+    gr.add_argument("--dot", default=None, metavar="FILE", help="also write the graph as Graphviz DOT")
+    gr.add_argument("--isa", default=None, help="kernel tier to name: scalar|avx2|avx512 (default: best)")
+    gr.add_argument("--kernels", default="fast", choices=("fast", "a16", "reference"))
+    gr.add_argument("--kv-dtype", default="f32", help="KV cache storage: f32|f16|bf16|int8")
+    gr.add_argument("--max-model-len", type=int, default=None, help="context length (sizes the RoPE tables)")
+    gr.set_defaults(fn=cmd_graph)
     return ap
 
 

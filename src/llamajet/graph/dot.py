@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from llamajet.graph.ir import Graph
 from llamajet.graph.planner import MemoryPlan
-from llamajet.graph.show import _storage, kernel_name, shape_str
+from llamajet.graph.show import kernel_name, shape_str, storage_name
 
 
 def _q(s: str) -> str:
@@ -35,7 +35,7 @@ def to_dot(graph: Graph, plan: MemoryPlan | None = None, isa: str = "", *, act_i
             out.append(f"  {_q('t:' + t)} [shape=ellipse, style=solid, label={_q(label)}];")
         elif spec.kind == "weight" and weights and graph.consumers(t):
             w = graph.weights.get(t)
-            kind = _storage(w) if w is not None else spec.dtype
+            kind = storage_name(w) if w is not None else spec.dtype
             label = f"{t}{shape_str(spec.shape)}\\n{kind}"
             out.append(f"  {_q('t:' + t)} [shape=box, style=filled, fillcolor=lightgrey, label={_q(label)}];")
     for n in graph.nodes:
@@ -46,7 +46,7 @@ def to_dot(graph: Graph, plan: MemoryPlan | None = None, isa: str = "", *, act_i
                     continue
                 out.append(f"  {_q('t:' + t)} -> {_q('n:' + n.name)};")
                 continue
-            label = f"{t}\\n{shape_str(spec.shape)}"
+            label = f"{t}\\n{'(KV state)' if spec.kind == 'state' else shape_str(spec.shape)}"
             if plan is not None and t in plan.offsets:
                 label += f" @{plan.offsets[t]}"
             style = ", style=dashed" if spec.kind == "state" else ""

@@ -131,6 +131,9 @@ class MemoryPlan:
             need = graph.tensors[t].nbytes(self.symbols)
             if self.sizes[t] < need:
                 raise AssertionError(f"{t}: {self.sizes[t]} bytes planned, {need} needed")
+        for out, src in self.aliases.items():  # only what a node asked for
+            if (graph.nodes[first[out]].attrs.get("inplace") or {}).get(out) != src:
+                raise AssertionError(f"{out} is planned over {src}, which its node did not allow")
 
 
 def _round_up(n: int, a: int = ALIGN) -> int:

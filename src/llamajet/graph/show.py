@@ -30,7 +30,7 @@ def human_bytes(n: int) -> str:
     return f"{n:,} B"
 
 
-def _storage(w) -> str:
+def storage_name(w) -> str:
     """A weight's storage as the kernels see it: 'pk_i4a g32', 'q4_1', 'f32'."""
     group = getattr(w, "group", None)  # packed weights (quant/pack.py) carry a group length
     return f"{w.dtype} g{group}" if group else str(w.dtype)
@@ -38,7 +38,8 @@ def _storage(w) -> str:
 
 def kernel_name(graph: Graph, node: Node, isa: str, *, act_int8: bool = True, kv_dtype: str = "f32") -> str:
     """The kernel a node runs: op kind, operand storage, ISA, e.g.
-    'matmul[pk_i4a g32 a8, avx512]' (a8: int8 activations, a16: float ones)."""
+    'matmul[pk_i4a g32 a8, avx512]' (a8: int8 activations, a16: float ones),
+    followed by the prologue / epilogue a fusion pass gave it."""
     if node.op in ("kv_write", "attention"):
         what = [f"kv {kv_dtype}"]  # the pool's storage type, not a weight's
     else:
@@ -47,20 +48,25 @@ def kernel_name(graph: Graph, node: Node, isa: str, *, act_int8: bool = True, kv
             w = graph.weights.get(t) if graph.tensors[t].kind == "weight" else None
             if w is None or isinstance(w, Constant):
                 continue  # activations and builder tables (RoPE) are f32
-            s = _storage(w)
+            s = storage_name(w)
             if getattr(w, "group", None) and node.op != "embed":
                 s += " a8" if act_int8 else " a16"
             if s not in what:
                 what.append(s)
         what = what or ["f32"]
-    return f"{node.op}[{', '.join(what)}, {isa}]"
+    name = f"{node.op}[{', '.join(what)}, {isa}]"
+    # fused work around the main loop (graph/passes), e.g. prologue=prequant epilogue=qkv
+    for k in ("prologue", "epilogue"):
+        if node.attrs.get(k):
+            name += f" {k}={node.attrs[k]}"
+    return name
 
 
 def _out_cell(graph: Graph, plan: MemoryPlan | None, t: str) -> str:
     spec = graph.tensors[t]
     if spec.kind == "state":
         return f"{t} (state: KV pool)"
-    cell = f"{t}{shape_str(spec.shape)}"
+    cell = f"{t}{'' if spec.dtype == 'f32' else ':' + spec.dtype}{shape_str(spec.shape)}"
     if plan is not None and t in plan.offsets:
         cell += f" @{plan.offsets[t]} +{plan.sizes[t]}"
         if t in plan.aliases:
@@ -101,6 +107,9 @@ def totals(graph: Graph, plan: MemoryPlan) -> str:
     lower = plan.peak_live_bytes()
     ratio = plan.naive_bytes / plan.arena_bytes if plan.arena_bytes else float("inf")
     kind_list = ", ".join(f"{kinds[k]} {k}" for k in ("activation", "weight", "state", "input") if kinds[k])
+    read = {t for n in graph.nodes for t in n.inputs if graph.tensors[t].kind == "weight"}
+    if len(read) < kinds["weight"]:  # e.g. matrices a fusion pass stacked into one
+        kind_list += f"; {len(read)} weights read by a node"
     return "\n".join([
         f"arena:   {human_bytes(plan.arena_bytes)} for {_symbols(plan)}; allocated once, reused every step "
         f"({plan.strategy} placement)",

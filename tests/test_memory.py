@@ -1,0 +1,163 @@
+"""Memory ownership: nothing is allocated inside a step, weights stay where
+the loader (or the one packing pass) put them, and RSS does not grow with
+the tokens generated beyond the KV cache they fill.
+
+RSS is measured in a fresh subprocess (other tests in this process load
+models and leave allocator state behind, which would blur the numbers).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from llamajet.engine.sampling import SamplingParams
+
+MiB = 2**20
+
+# -- (a) no allocation inside a step
+
+
+def _allocations(llm) -> int:
+    return llm.engine.runner.exe.allocations
+
+
+def test_no_allocation_in_decode_or_prefill_steps(stories_hf):
+    from llamajet.api import LLM
+
+    llm = LLM(stories_hf, max_model_len=512)
+    at_init = _allocations(llm)
+    # The runner allocates its buffers once (arena, KV pool, ...): a handful, not one per op.
+    assert 1 <= at_init <= len(llm.engine.runner.graph.nodes) // 4
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    llm.generate("Once upon a time", greedy)  # warm-up
+    assert _allocations(llm) == at_init
+
+    out = llm.generate("Once upon a time", SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 32  # 32 decode steps really ran
+    assert _allocations(llm) == at_init
+
+    # prefill: 300 prompt tokens are two chunks of the 256-token step budget
+    ids = [int(t) % 500 + 3 for t in range(300)]
+    llm.generate(ids, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    # mixed steps: three sequences decoding while another prefills
+    llm.generate([ids[:40], ids[:7], ids[100:230]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert _allocations(llm) == at_init
+
+
+# -- (b) zero-copy weights and RSS, on the default model (SmolLM2-135M Q4_1 GGUF)
+
+_PROBE = r"""
+import json, os, sys
+import numpy as np
+
+def rss():
+    with open("/proc/self/status") as f:
+        return {k: int(v.split()[0]) * 1024 for k, v in (l.split(":", 1) for l in f)
+                if k in ("VmRSS", "RssAnon", "RssFile")}
+
+from llamajet.api import LLM
+from llamajet.engine.sampling import SamplingParams
+r = {"imports": rss()}
+path = sys.argv[1]
+llm = LLM(path)
+r["loaded"] = rss()
+run = llm.engine.runner
+r["allocs_init"] = run.exe.allocations
+greedy = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+prompt = "Once upon a time"
+llm.generate(prompt, greedy(8))  # warm-up: first touch of the arena, code pages, caches
+r["warm"] = rss()
+out = llm.generate(prompt, greedy(64))
+r["after"] = rss()
+r["generated"] = len(out[0].token_ids)
+r["prompt_tokens"] = len(out[0].prompt_token_ids)
+r["allocs_after"] = run.exe.allocations
+llm.generate(list(range(10, 310)), greedy(2))  # a 300-token prefill (two chunks)
+r["allocs_prefill"] = run.exe.allocations
+
+cfg = run.config
+r["kv_bytes_per_token"] = 2 * cfg.num_layers * run.kv.row_bytes  # K and V rows, every layer
+r["file_bytes"] = os.path.getsize(path)
+mm = llm.model.gguf_reader.data  # the reader's np.memmap of the whole file
+g = run.graph
+used = sorted({t for n in g.nodes for t in n.inputs if g.tensors[t].kind == "weight"})
+norms = [t for t in used if t.endswith("_norm")]
+r["norms"] = len(norms)
+r["norms_mapped"] = sum(bool(np.shares_memory(g.weights[t].data, mm)) for t in norms)
+r["not_contiguous"] = [t for t in used if not g.weights[t].data.flags.c_contiguous]
+
+def owned(ws):  # bytes of weight storage outside the file mapping, each buffer once
+    seen = {}
+    for w in ws:
+        d = w.data
+        while isinstance(d.base, np.ndarray):
+            d = d.base
+        if not np.may_share_memory(d, mm):
+            seen[id(d)] = d.nbytes
+    return sum(seen.values())
+
+r["owned_needed"] = owned(g.weights[t] for t in used)
+r["owned_reachable"] = owned([*g.weights.values(), *run.weights.values()])
+print(json.dumps(r))
+"""
+
+
+@pytest.fixture(scope="module")
+def probe(smollm2_gguf) -> dict:
+    p = subprocess.run([sys.executable, "-c", _PROBE, str(smollm2_gguf)], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_default_model_no_allocation_in_steps(probe):
+    assert probe["generated"] == 64
+    assert probe["allocs_after"] == probe["allocs_init"]
+    assert probe["allocs_prefill"] == probe["allocs_init"]
+
+
+def test_unpacked_weights_are_views_of_the_file(probe):
+    # RMSNorm weights are f32 in this GGUF: the kernels read them in the mapped file.
+    assert probe["norms"] == 2 * 30 + 1  # attn_norm, ffn_norm per layer; output_norm
+    assert probe["norms_mapped"] == probe["norms"]
+    # nanobind's ndarray cast (csrc/bindings.cpp to_operand) would make a
+    # contiguous *temporary* copy of a strided array and hand its pointer to
+    # the executor: every weight must already be C-contiguous.
+    assert probe["not_contiguous"] == []
+
+
+@pytest.mark.xfail(strict=True, reason="fusion stacks QKV / gate-up into new arrays while the unstacked "
+                   "packed matrices stay referenced (runner.weights, graph.weights): ~42 MiB twice")
+def test_packed_weights_exist_once(probe):
+    # Measured: 134.5 MiB of packed weights reachable from the runner, 93.0 MiB of them read by the graph.
+    assert probe["owned_reachable"] <= probe["owned_needed"]
+
+
+def test_rss_flat_while_generating(probe):
+    # After warm-up a step touches nothing new but the KV rows it writes: the
+    # pool is committed lazily, page by page, so the worst case is every row
+    # of this request in fresh pages (46,080 B per token here). 4 MiB more is
+    # for Python objects (token lists, text, per-step arrays) and allocator
+    # slack. Measured: +2.4 MiB VmRSS for 64 tokens after a 4-token prompt (bound: 7.0 MiB).
+    grown = probe["after"]["VmRSS"] - probe["warm"]["VmRSS"]
+    kv = (probe["prompt_tokens"] + probe["generated"]) * probe["kv_bytes_per_token"]
+    assert grown <= kv + 4 * MiB, f"RSS grew {grown / MiB:.1f} MiB over 64 tokens"
+
+
+@pytest.mark.xfail(strict=True, reason="loading costs ~4x the file today: GGUFReader's metadata (~90-160 MiB "
+                   "of numpy views for the vocabulary), the mapped Q4_1 pages the repack read (~92 MiB, "
+                   "still resident), and the fusion's stacked duplicates (~42 MiB)")
+def test_rss_after_load_near_the_file_size(probe):
+    # Weights cost at most 1.6x the file: the packed copy (1.0x; same bits per
+    # weight as Q4_1) plus slack for file pages the kernels still read (norms,
+    # f32) or the OS keeps mapped. 40 MiB is the fixed rest, measured: tokenizer
+    # (~19 MiB), RoPE tables, arena and executor scratch, graph objects.
+    # Measured today: VmRSS 45 MiB after imports, 449 MiB after LLM() (405 MiB
+    # above imports: 308 MiB anonymous, 97 MiB file-backed) for a 94 MiB file.
+    loaded = probe["loaded"]["VmRSS"] - probe["imports"]["VmRSS"]
+    assert loaded <= 1.6 * probe["file_bytes"] + 40 * MiB, (
+        f"RSS after load {loaded / MiB:.0f} MiB above imports, file {probe['file_bytes'] / MiB:.0f} MiB")
