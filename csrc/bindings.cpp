@@ -32,7 +32,9 @@ lj::Operand to_operand(nb::handle h, int index) {
     return o;
   }
   AnyArr a;
-  if (!nb::try_cast(h, a))
+  // No implicit conversion: a converted array would be a temporary freed on
+  // return, leaving the executor a dangling pointer.
+  if (!nb::try_cast(h, a, false))
     throw std::invalid_argument("operand " + std::to_string(index) +
                                 " must be None, (buffer, offset) or a C-contiguous array");
   o.ptr = a.data();

@@ -130,10 +130,9 @@ def test_unpacked_weights_are_views_of_the_file(probe):
     assert probe["not_contiguous"] == []
 
 
-@pytest.mark.xfail(strict=True, reason="fusion stacks QKV / gate-up into new arrays while the unstacked "
-                   "packed matrices stay referenced (runner.weights, graph.weights): ~42 MiB twice")
 def test_packed_weights_exist_once(probe):
-    # Measured: 134.5 MiB of packed weights reachable from the runner, 93.0 MiB of them read by the graph.
+    # The fusion passes drop the unstacked parts once Q/K/V and gate/up are
+    # stacked (graph.passes.fuse): only what the Program reads stays reachable.
     assert probe["owned_reachable"] <= probe["owned_needed"]
 
 
@@ -148,16 +147,15 @@ def test_rss_flat_while_generating(probe):
     assert grown <= kv + 4 * MiB, f"RSS grew {grown / MiB:.1f} MiB over 64 tokens"
 
 
-@pytest.mark.xfail(strict=True, reason="loading costs ~4x the file today: GGUFReader's metadata (~90-160 MiB "
-                   "of numpy views for the vocabulary), the mapped Q4_1 pages the repack read (~92 MiB, "
-                   "still resident), and the fusion's stacked duplicates (~42 MiB)")
 def test_rss_after_load_near_the_file_size(probe):
     # Weights cost at most 1.6x the file: the packed copy (1.0x; same bits per
     # weight as Q4_1) plus slack for file pages the kernels still read (norms,
     # f32) or the OS keeps mapped. 40 MiB is the fixed rest, measured: tokenizer
     # (~19 MiB), RoPE tables, arena and executor scratch, graph objects.
-    # Measured today: VmRSS 45 MiB after imports, 449 MiB after LLM() (405 MiB
-    # above imports: 308 MiB anonymous, 97 MiB file-backed) for a 94 MiB file.
+    # Measured: VmRSS 44 MiB after imports, 214 MiB after LLM() for a 94 MiB
+    # file (was 449 MiB before loaders.gguf.release_file_pages dropped the
+    # reader's metadata and the repacked file's pages, and fusion dropped the
+    # unstacked parts).
     loaded = probe["loaded"]["VmRSS"] - probe["imports"]["VmRSS"]
     assert loaded <= 1.6 * probe["file_bytes"] + 40 * MiB, (
         f"RSS after load {loaded / MiB:.0f} MiB above imports, file {probe['file_bytes'] / MiB:.0f} MiB")

@@ -21,6 +21,7 @@ from llamajet.engine.sampling import SamplingParams
 from llamajet.engine.sequence import Sequence
 from llamajet.errors import RequestError
 from llamajet.loaders import load_model
+from llamajet.loaders.gguf import release_file_pages
 from llamajet.models import default_model_path
 from llamajet.tokenizer import load_tokenizer, tokenizer_from_gguf
 
@@ -94,6 +95,8 @@ class LLM:
                              num_blocks=ec.num_kv_blocks, n_threads=n_threads, isa=isa, kv_dtype=kv_dtype,
                              kernels=kernels, scheme=quantize, fuse=fuse)
         self.engine = Engine(runner, self.tokenizer, ec)
+        if self.model.gguf_reader is not None and kernels != "reference":
+            release_file_pages(self.model)  # repacked: the file's pages are no longer read
         self.async_engine = AsyncEngine(self.engine)
 
     # -- info

@@ -71,6 +71,8 @@ class ModelRunner:
         # Fusion passes (graph/passes): fused weights are stacked once, here.
         self.fusion_log = (fuse_graph(self.graph, FusionContext(act_int8=kernels == "fast", kv_dtype=kv_dtype))
                            if fuse else [])
+        # What the Program reads (after fusion: the stacked matrices, not their parts).
+        self.weights = dict(self.graph.weights)
         self.plan: MemoryPlan = plan_memory(self.graph, {"T": max_tokens, "O": self.max_out})
         self.exe = ops.Executor(
             isa=ops.resolve_isa(isa), n_threads=n_threads or ops.default_threads(),

@@ -86,3 +86,30 @@ def load_gguf(path: str | Path) -> LoadedModel:
             weights[canonical] = _weight(t, canonical, path)
     config = check_weights(config, weights, str(path), canonical_to_gguf)
     return LoadedModel(config=config, weights=weights, source=str(path), gguf_reader=reader, keepalive=[reader])
+
+
+def release_file_pages(model: LoadedModel) -> None:
+    """After the weights were repacked (copied into the kernels' layout), drop
+    the GGUF's file pages from this process's resident set and free the
+    reader's metadata arrays (the tokenizer and config are built by then).
+    Weights still used as views of the file (norms) fault back in on demand;
+    the mapping is read-only, so nothing is lost."""
+    import mmap
+
+    reader = model.gguf_reader
+    if reader is None:
+        return
+    reader.fields.clear()
+    mm = getattr(reader.data, "_mmap", None)
+    if mm is not None and hasattr(mm, "madvise"):
+        mm.madvise(mmap.MADV_DONTNEED)
+    # The metadata was ~10^5 small arrays: hand the freed heap back to the OS
+    # (glibc keeps it otherwise; ~50 MB for a 49k vocabulary).
+    try:
+        import ctypes
+        import gc
+
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the memory is only reused later
+        pass

@@ -39,5 +39,12 @@ def fuse(graph: Graph, ctx: FusionContext | None = None, only: tuple[str, ...] |
     for name, p in passes:
         if only is None or name in only:
             log += p(graph, ctx)
+    # weights no node reads any more (the unstacked q/k/v, gate/up) are dropped,
+    # so the stacked copies are the only ones kept alive
+    used = {t for n in graph.nodes for t in n.inputs} | {v for n in graph.nodes for v in n.attrs.values()
+                                                          if isinstance(v, str)}
+    for w in [w for w in graph.weights if w not in used]:
+        del graph.weights[w]
+        del graph.tensors[w]
     graph.verify()
     return log
