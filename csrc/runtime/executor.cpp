@@ -230,6 +230,7 @@ void Executor::add_op(Op op, const Operand opnd[OP_OPERANDS]) {
     if (op.i[3] != cfg_.block_size) throw std::invalid_argument("attention: block size differs from the pool's");
     const int64_t group = op.i[0] / op.i[1];
     if (group > 64) throw std::invalid_argument("attention: more than 64 query heads per kv head");
+    if (op.i[3] > 256) throw std::invalid_argument("attention: block size above 256");
   }
   if (op.kind == OP_ADD_RMSNORM && op.i[1] % 8 != 0)
     throw std::invalid_argument("add_rmsnorm: quantize-on-write group must be a multiple of 8");

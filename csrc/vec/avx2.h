@@ -51,10 +51,14 @@ inline VecI dot_s8s8(VecI acc, VecI w, int32_t x4) {
   const __m256i p16 = _mm256_maddubs_epi16(_mm256_abs_epi8(w.v), _mm256_sign_epi8(x, w.v));
   return {_mm256_add_epi32(acc.v, _mm256_madd_epi16(p16, _mm256_set1_epi16(1)))};
 }
+inline VecI iadd(VecI a, VecI b) { return {_mm256_add_epi32(a.v, b.v)}; }
 inline VecI isub_scaled(VecI a, int32_t k, int32_t q) { return {_mm256_sub_epi32(a.v, _mm256_set1_epi32(k * q))}; }
 inline VecF cvt(VecI a) { return {_mm256_cvtepi32_ps(a.v)}; }
 inline VecF load_h(const uint16_t* p) { return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p))}; }
 
+inline VecF gather(const float* base, const int32_t* idx) {
+  return {_mm256_i32gather_ps(base, _mm256_loadu_si256((const __m256i*)idx), 4)};
+}
 // ---- math
 inline VecF vmax(VecF a, VecF b) { return {_mm256_max_ps(a.v, b.v)}; }
 inline VecF vsub(VecF a, VecF b) { return {_mm256_sub_ps(a.v, b.v)}; }

@@ -38,10 +38,14 @@ inline VecI dot_u8s8(VecI acc, VecI w, int32_t x4) { return {_mm512_dpbusd_epi32
 inline VecI dot_s8s8(VecI acc, VecI w, int32_t x4) {
   return {_mm512_dpbusd_epi32(acc.v, _mm512_xor_si512(w.v, _mm512_set1_epi8((char)0x80)), _mm512_set1_epi32(x4))};
 }
+inline VecI iadd(VecI a, VecI b) { return {_mm512_add_epi32(a.v, b.v)}; }
 inline VecI isub_scaled(VecI a, int32_t k, int32_t q) { return {_mm512_sub_epi32(a.v, _mm512_set1_epi32(k * q))}; }
 inline VecF cvt(VecI a) { return {_mm512_cvtepi32_ps(a.v)}; }
 inline VecF load_h(const uint16_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p))}; }
 
+inline VecF gather(const float* base, const int32_t* idx) {
+  return {_mm512_i32gather_ps(_mm512_loadu_si512((const void*)idx), base, 4)};
+}
 // ---- math
 inline VecF vmax(VecF a, VecF b) { return {_mm512_max_ps(a.v, b.v)}; }
 inline VecF vsub(VecF a, VecF b) { return {_mm512_sub_ps(a.v, b.v)}; }

@@ -45,10 +45,12 @@ inline VecI dot_s8s8(VecI acc, VecI w, int32_t x4) {
   for (int j = 0; j < 4; ++j) s += (int32_t)(int8_t)(w.v >> (8 * j)) * (int32_t)(int8_t)(x4 >> (8 * j));
   return {s};
 }
+inline VecI iadd(VecI a, VecI b) { return {a.v + b.v}; }
 inline VecI isub_scaled(VecI a, int32_t k, int32_t q) { return {a.v - k * q}; }
 inline VecF cvt(VecI a) { return {(float)a.v}; }
 inline VecF load_h(const uint16_t* p) { return {lj::f16_to_f32(*p)}; }
 
+inline VecF gather(const float* base, const int32_t* idx) { return {base[idx[0]]}; }
 // ---- math
 inline VecF vmax(VecF a, VecF b) { return {a.v > b.v ? a.v : b.v}; }
 inline VecF vsub(VecF a, VecF b) { return {a.v - b.v}; }
