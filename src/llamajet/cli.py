@@ -130,7 +130,7 @@ def cmd_bench(a) -> int:
     if a.batch is None:  # single stream: prefill 128 / 512, decode 128, peak RSS
         from llamajet.eval.bench_latency import run
 
-        print(run(a.model, a.threads, a.rounds, a.vs_llama_cpp, a.kernels, a.corpus, a.json))
+        print(run(a.model, a.threads, a.rounds, a.vs_llama_cpp, a.kernels, a.corpus, a.json, a.vs_no_fuse))
         return 0
     from llamajet.eval.bench import main as bench_main
 
@@ -206,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(b)
     b.add_argument("--vs-llama-cpp", action="store_true",
                    help="also run llama-cpp-python on the same GGUF, same threads, alternating rounds")
+    b.add_argument("--vs-no-fuse", action="store_true",
+                   help="also run llamajet without the fusion passes, alternating rounds")
     b.add_argument("--rounds", type=int, default=3, help="rounds per engine (single-stream mode)")
     b.add_argument("--kernels", default="fast", help="fast | a16 | reference (single-stream mode)")
     b.add_argument("--batch", default=None, help="concurrent sequences, comma-separated, e.g. 1,4,16,64")

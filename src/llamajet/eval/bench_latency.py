@@ -37,13 +37,13 @@ def _peak_rss_mib() -> float:
     return float("nan")
 
 
-def _llamajet_worker(conn, model, threads, kernels, max_len):
+def _llamajet_worker(conn, model, threads, kernels, max_len, fuse=True):
     from llamajet import LLM, SamplingParams
 
     # no prefix cache: every round must really prefill; one step holds the 512-token prompt
     llm = LLM(model, n_threads=threads, kernels=kernels, max_model_len=max_len, max_tokens_per_step=512,
-              enable_prefix_caching=False, max_num_seqs=1)
-    conn.send(("ready", f"llamajet ({llm.isa}, {kernels})"))
+              enable_prefix_caching=False, max_num_seqs=1, fuse=fuse)
+    conn.send(("ready", f"llamajet ({llm.isa}, {kernels}{'' if fuse else ', no-fuse'})"))
 
     def timed(ids, n):
         t = time.perf_counter()
@@ -53,7 +53,7 @@ def _llamajet_worker(conn, model, threads, kernels, max_len):
     _serve(conn, timed)
 
 
-def _llama_cpp_worker(conn, model, threads, kernels, max_len):
+def _llama_cpp_worker(conn, model, threads, kernels, max_len, fuse=True):
     import llama_cpp
     import numpy as np
 
@@ -106,7 +106,8 @@ def _round(conn, prompts, fig: EngineFigures):
 
 
 def run(model: str | None = None, threads: int | None = None, rounds: int = 3, vs_llama_cpp: bool = False,
-        kernels: str = "fast", corpus: Path | None = None, json_path: str | None = None) -> str:
+        kernels: str = "fast", corpus: Path | None = None, json_path: str | None = None,
+        vs_no_fuse: bool = False) -> str:
     from llamajet.loaders import load_model
     from llamajet.models import default_model_path
     from llamajet.ops import default_threads
@@ -122,11 +123,13 @@ def run(model: str | None = None, threads: int | None = None, rounds: int = 3, v
     max_len = 1024
     del lm
     ctx = mp.get_context("spawn")
-    workers = [("llamajet", _llamajet_worker)] + ([("llama.cpp", _llama_cpp_worker)] if vs_llama_cpp else [])
+    workers = [("llamajet", _llamajet_worker, True)]
+    workers += [("llamajet", _llamajet_worker, False)] if vs_no_fuse else []
+    workers += [("llama.cpp", _llama_cpp_worker, True)] if vs_llama_cpp else []
     conns, procs, figs = [], [], []
-    for name, fn in workers:
+    for name, fn, fuse in workers:
         a, b = ctx.Pipe()
-        pr = ctx.Process(target=fn, args=(b, model, threads, kernels, max_len), daemon=True)
+        pr = ctx.Process(target=fn, args=(b, model, threads, kernels, max_len, fuse), daemon=True)
         pr.start()
         tag, label = a.recv()
         conns.append(a)
@@ -152,9 +155,9 @@ def run(model: str | None = None, threads: int | None = None, rounds: int = 3, v
     for f, (pre, dec) in zip(figs, meds):
         lines.append(f"{f.name:34s} " + " ".join(f"{pre[p]:12.1f}" for p in PROMPTS) + f" {dec:9.1f} "
                      f"{f.peak_rss_mib:7.0f}Mi")
-    if len(figs) == 2:
-        (p0, d0), (p1, d1) = meds
-        lines.append(f"{'ratio llamajet / llama.cpp':34s} " + " ".join(f"{p0[p] / p1[p]:11.2f}x" for p in PROMPTS)
+    for i in range(1, len(figs)):
+        (p0, d0), (p1, d1) = meds[0], meds[i]
+        lines.append(f"{'ratio first / ' + figs[i].name[:20]:34s} " + " ".join(f"{p0[p] / p1[p]:11.2f}x" for p in PROMPTS)
                      + f" {d0 / d1:8.2f}x")
     lines.append("(tok/s; prefill = prompt tokens / time to the first token)")
     if json_path:
