@@ -6,6 +6,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <functional>
 #include <stdexcept>
 
 #include "runtime/cpu_features.h"
@@ -42,6 +43,26 @@ lj::Operand to_operand(nb::handle h, int index) {
   return o;
 }
 
+void check_packed_args(const char* fn, int kind, int64_t g, int64_t n, int64_t k) {
+  const std::string f(fn);
+  if (!lj::is_packed(kind)) throw std::invalid_argument(f + ": unknown packed kind");
+  if (g < 8 || g > 1024 || g % 8) throw std::invalid_argument(f + ": group must be a multiple of 8 in 8..1024");
+  if (n < 1 || k < 1) throw std::invalid_argument(f + ": empty matrix");
+}
+
+// Runs fn(tile_begin, tile_end) on n_threads threads, contiguous tile ranges,
+// with the GIL released (offline work: a pool per call is fine).
+void for_tiles(int n_threads, int64_t tiles, const std::function<void(int64_t, int64_t)>& fn) {
+  nb::gil_scoped_release release;
+  struct Job { const std::function<void(int64_t, int64_t)>* fn; int64_t tiles; } job{&fn, tiles};
+  lj::ThreadPool pool(n_threads < 1 ? 1 : n_threads);
+  pool.run([](void* p, int ith, int nth) {
+    const Job* j = (const Job*)p;
+    const int64_t per = (j->tiles + nth - 1) / nth, b = per * ith, e = b + per < j->tiles ? b + per : j->tiles;
+    if (b < e) (*j->fn)(b, e);
+  }, &job);
+}
+
 }  // namespace
 
 NB_MODULE(_core, m) {
@@ -67,26 +88,15 @@ NB_MODULE(_core, m) {
   m.def("quantize_packed",
         [](const std::string& isa, int kind, int64_t g, nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> w,
            int n_threads) {
-          if (!lj::is_packed(kind)) throw std::invalid_argument("quantize_packed: unknown packed kind");
-          if (g < 8 || g > 1024 || g % 8) throw std::invalid_argument("quantize_packed: group must be a multiple of 8 in 8..1024");
           const int64_t n = w.shape(0), k = w.shape(1);
-          if (n < 1 || k < 1) throw std::invalid_argument("quantize_packed: empty matrix");
+          check_packed_args("quantize_packed", kind, g, n, k);
           const lj::KernelTable* kt = lj::kernel_table(isa);
           const int64_t tiles = (n + lj::TILE - 1) / lj::TILE, ng = (k + g - 1) / g;
           const int64_t bb = lj::packed_block_bytes(kind, g);
           uint8_t* out = new uint8_t[tiles * ng * bb];
           nb::capsule owner(out, [](void* p) noexcept { delete[] (uint8_t*)p; });
-          {
-            nb::gil_scoped_release release;
-            struct Job { const lj::KernelTable* kt; int kind; int64_t g, n, k, tiles; const float* w; uint8_t* out; } job{
-                kt, kind, g, n, k, tiles, w.data(), out};
-            lj::ThreadPool pool(n_threads < 1 ? 1 : n_threads);
-            pool.run([](void* p, int ith, int nth) {
-              Job* j = (Job*)p;
-              const int64_t per = (j->tiles + nth - 1) / nth, b = per * ith, e = b + per < j->tiles ? b + per : j->tiles;
-              if (b < e) j->kt->quantize(j->kind, j->g, j->w, j->n, j->k, j->out, b, e);
-            }, &job);
-          }
+          const float* src = w.data();
+          for_tiles(n_threads, tiles, [&](int64_t b, int64_t e) { kt->quantize(kind, g, src, n, k, out, b, e); });
           size_t shape[3] = {(size_t)tiles, (size_t)ng, (size_t)bb};
           return nb::ndarray<nb::numpy, uint8_t, nb::ndim<3>>(out, 3, shape, owner);
         },
@@ -94,26 +104,15 @@ NB_MODULE(_core, m) {
   m.def("dequantize_packed",
         [](const std::string& isa, int kind, int64_t g, int64_t n, int64_t k,
            nb::ndarray<const uint8_t, nb::c_contig, nb::device::cpu> packed, int n_threads) {
-          if (!lj::is_packed(kind)) throw std::invalid_argument("dequantize_packed: unknown packed kind");
-          if (g < 8 || g > 1024 || g % 8) throw std::invalid_argument("dequantize_packed: group must be a multiple of 8 in 8..1024");
-          if (n < 1 || k < 1) throw std::invalid_argument("dequantize_packed: empty matrix");
+          check_packed_args("dequantize_packed", kind, g, n, k);
           if ((int64_t)packed.nbytes() != lj::packed_bytes(kind, n, k, g))
             throw std::invalid_argument("dequantize_packed: packed size does not match kind, shape and group");
           const lj::KernelTable* kt = lj::kernel_table(isa);
-          const int64_t tiles = (n + lj::TILE - 1) / lj::TILE;
           float* out = new float[n * k];
           nb::capsule owner(out, [](void* p) noexcept { delete[] (float*)p; });
-          {
-            nb::gil_scoped_release release;
-            struct Job { const lj::KernelTable* kt; int kind; int64_t g, n, k, tiles; const uint8_t* src; float* out; } job{
-                kt, kind, g, n, k, tiles, packed.data(), out};
-            lj::ThreadPool pool(n_threads < 1 ? 1 : n_threads);
-            pool.run([](void* p, int ith, int nth) {
-              Job* j = (Job*)p;
-              const int64_t per = (j->tiles + nth - 1) / nth, b = per * ith, e = b + per < j->tiles ? b + per : j->tiles;
-              if (b < e) j->kt->dequantize(j->kind, j->g, j->src, j->n, j->k, j->out, b, e);
-            }, &job);
-          }
+          const uint8_t* src = packed.data();
+          for_tiles(n_threads, (n + lj::TILE - 1) / lj::TILE,
+                    [&](int64_t b, int64_t e) { kt->dequantize(kind, g, src, n, k, out, b, e); });
           size_t shape[2] = {(size_t)n, (size_t)k};
           return nb::ndarray<nb::numpy, float, nb::ndim<2>>(out, 2, shape, owner);
         },
