@@ -5,22 +5,17 @@ import copy
 import dataclasses
 import json
 import math
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers must never reach the network here
 
 import gguf  # noqa: E402
 
 from llamajet.config import ModelConfig, RopeScaling  # noqa: E402
 from llamajet.errors import ModelFormatError, UnsupportedModelError  # noqa: E402
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-STORIES_HF = DATA / "models" / "stories260K-hf"
-STORIES_GGUF = DATA / "models" / "stories260K-f32.gguf"
+from conftest import SHARED_DATA as DATA, STORIES_GGUF, STORIES_HF  # noqa: E402  (one place for the data paths)
+
 needs_stories = pytest.mark.skipif(not STORIES_HF.is_dir() or not STORIES_GGUF.is_file(),
                                    reason=f"shared test data not found under {DATA}")
 
