@@ -205,3 +205,13 @@ def test_quantize_on_write_needs_int8_packed_readers(tiny):
     assert any("int8 g32" in l for l in fuse(g, only=("add_rmsnorm",)))
     g = _graph(tiny)  # float activations (W8A16): no int8 on write
     assert not any("int8" in l for l in fuse(g, FusionContext(act_int8=False), only=("add_rmsnorm",)))
+
+
+@pytest.mark.parametrize("isa", __import__("llamajet.ops", fromlist=["x"]).supported_isas())
+def test_fused_equals_unfused_on_every_isa(smollm2, isa):
+    """Each tier compiles the fused epilogues from the same source as the
+    unfused kernels (same vector exp, no fp contraction): bit-identical."""
+    ids = list(np.random.default_rng(5).integers(0, smollm2.config.vocab_size, 10))
+    ref, _ = _prefill_decode(smollm2, ids, fuse=False, isa=isa)
+    got, _ = _prefill_decode(smollm2, ids, fuse=True, isa=isa)
+    np.testing.assert_array_equal(got, ref)
