@@ -27,7 +27,7 @@ struct ExecConfig {
   int64_t kv_slots = 0;        // slots in the KV pool (blocks * block_size)
   int64_t block_size = 16;     // tokens per KV block
   int64_t max_pos = 0;         // rows of the RoPE tables = max context
-  int64_t scratch_floats = 0;  // per-thread scratch (>= max K, >= max context)
+  int64_t scratch_floats = 0;  // per-thread scratch, at least; add_op grows it to what each op needs
 };
 
 // An operand as Python hands it over: a buffer id and byte offset, or a raw
