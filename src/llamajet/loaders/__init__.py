@@ -23,7 +23,7 @@ from llamajet.errors import ModelFormatError
 from llamajet.loaders.names import iter_expected
 
 # The kernels' storage formats -> numpy dtype of ``WeightTensor.data``.
-_STORAGE_DTYPE = {
+STORAGE_DTYPE = {
     "f32": np.float32,
     "f16": np.float16,
     "bf16": np.uint16,  # raw bits; numpy has no bfloat16
@@ -41,7 +41,7 @@ GGML_BLOCKS = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20)}
 @dataclass(frozen=True, eq=False)  # eq=False: equality of ndarrays is not a bool
 class WeightTensor:
     name: str  # canonical, e.g. "blk.3.attn_q"
-    dtype: str  # a key of _STORAGE_DTYPE
+    dtype: str  # a key of STORAGE_DTYPE
     shape: tuple[int, ...]  # logical: matrices [N_out, K_in], embeddings [vocab, hidden], norms [hidden]
     data: np.ndarray  # raw storage: shape == `shape`, or [N, K // 32 * block bytes] for GGML blocks
     # GGUF attn_q / attn_k rows are in llama.cpp's interleaved RoPE order: within
@@ -50,10 +50,10 @@ class WeightTensor:
     rope_interleaved: bool = False
 
     def __post_init__(self):
-        if self.dtype not in _STORAGE_DTYPE:
+        if self.dtype not in STORAGE_DTYPE:
             raise ModelFormatError(f"{self.name}: unknown storage dtype {self.dtype!r}")
-        if self.data.dtype != _STORAGE_DTYPE[self.dtype]:
-            raise ModelFormatError(f"{self.name}: {self.dtype} data must be {np.dtype(_STORAGE_DTYPE[self.dtype])}, "
+        if self.data.dtype != STORAGE_DTYPE[self.dtype]:
+            raise ModelFormatError(f"{self.name}: {self.dtype} data must be {np.dtype(STORAGE_DTYPE[self.dtype])}, "
                                    f"got {self.data.dtype}")
         if tuple(self.data.shape) != self.storage_shape():
             raise ModelFormatError(f"{self.name}: storage shape {tuple(self.data.shape)} does not hold a "

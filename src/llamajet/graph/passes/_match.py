@@ -40,12 +40,12 @@ def _row_view(w) -> np.ndarray:
     return np.ascontiguousarray(w.data).view(np.uint8).reshape(w.shape[0], -1)
 
 
-def _raw(name: str, like, rows: np.ndarray, n: int):
-    from llamajet.loaders import WeightTensor
+def _raw(name: str, like, rows: np.ndarray, n: int, rope_interleaved: bool):
+    """A WeightTensor of `like`'s storage type over raw row bytes [n, row bytes]."""
+    from llamajet.loaders import STORAGE_DTYPE, WeightTensor
 
-    dt = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}.get(like.dtype, np.uint8)
-    data = rows.view(dt).reshape(n, -1) if dt is not np.uint8 else rows.reshape(n, -1)
-    return WeightTensor(name, like.dtype, (n, like.shape[1]), data, rope_interleaved=True)
+    data = rows.view(STORAGE_DTYPE[like.dtype]).reshape(n, -1)
+    return WeightTensor(name, like.dtype, (n, like.shape[1]), data, rope_interleaved=rope_interleaved)
 
 
 def stack_rows(name: str, ws):
@@ -54,7 +54,7 @@ def stack_rows(name: str, ws):
     if is_packed(ws[0]):
         data = np.concatenate([w.data for w in ws], axis=0)
         return PackedWeight(name, ws[0].scheme, (n, ws[0].shape[1]), data, rope_interleaved=True)
-    return _raw(name, ws[0], np.concatenate([_row_view(w) for w in ws], axis=0), n)
+    return _raw(name, ws[0], np.concatenate([_row_view(w) for w in ws], axis=0), n, rope_interleaved=True)
 
 
 def interleave_tiles(name: str, g, u):
@@ -65,8 +65,7 @@ def interleave_tiles(name: str, g, u):
         return PackedWeight(name, g.scheme, (n, g.shape[1]), data)
     gr, ur = _row_view(g), _row_view(u)
     rows = np.stack([gr.reshape(-1, TILE_ROWS, gr.shape[1]), ur.reshape(-1, TILE_ROWS, ur.shape[1])], axis=1)
-    w = _raw(name, g, rows.reshape(n, -1), n)
-    return w
+    return _raw(name, g, rows.reshape(n, -1), n, rope_interleaved=False)
 
 
 def rope_interleave_rows(w, heads: int, hd: int):
@@ -86,4 +85,4 @@ def rope_interleave_rows(w, heads: int, hd: int):
             m[:n] = m[:n][perm]
         pw = pack(w.name, w.scheme, w.shape, codes, d, m)
         return PackedWeight(pw.name, pw.scheme, pw.shape, pw.data, rope_interleaved=True)
-    return _raw(w.name, w, _row_view(w)[perm], w.shape[0])
+    return _raw(w.name, w, _row_view(w)[perm], w.shape[0], rope_interleaved=True)
