@@ -13,18 +13,18 @@ import numpy as np
 
 from llamajet.config import ModelConfig
 from llamajet.graph.ir import Constant, Graph
+from llamajet.ops import ref
 
 
 def rope_tables(cfg: ModelConfig, max_pos: int) -> tuple[Constant, Constant]:
     """cos/sin of position * inv_freq, [max_pos, head_dim/2] fp32.
 
-    Angles are formed in float64 and rounded once, so positions in the
-    thousands keep full fp32 accuracy (HF forms them in fp32; the difference is
-    below fp32 resolution of the rotated values, ~1e-7 relative)."""
-    inv_freq = cfg.rope_inv_freq()
-    ang = np.outer(np.arange(max_pos, dtype=np.float64), inv_freq)
-    return (Constant("rope_cos", np.ascontiguousarray(np.cos(ang), np.float32)),
-            Constant("rope_sin", np.ascontiguousarray(np.sin(ang), np.float32)))
+    Angles are formed in float64 (ops/ref.py) and rounded once, so positions in
+    the thousands keep full fp32 accuracy (HF forms them in fp32; the
+    difference is below fp32 resolution of the rotated values, ~1e-7 relative)."""
+    cos, sin = ref.rope_tables(cfg.rope_inv_freq(), max_pos)
+    return (Constant("rope_cos", np.ascontiguousarray(cos, np.float32)),
+            Constant("rope_sin", np.ascontiguousarray(sin, np.float32)))
 
 
 def build_graph(cfg: ModelConfig, weights: dict, max_pos: int) -> Graph:
