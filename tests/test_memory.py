@@ -81,6 +81,7 @@ r["allocs_prefill"] = run.exe.allocations
 
 cfg = run.config
 r["kv_bytes_per_token"] = 2 * cfg.num_layers * run.kv.row_bytes  # K and V rows, every layer
+r["kv_pool_bytes"] = run.kv_pool_bytes  # committed at start (EngineConfig.kv_prefault)
 r["file_bytes"] = os.path.getsize(path)
 mm = llm.model.gguf_reader.data  # the reader's np.memmap of the whole file
 g = run.graph
@@ -137,9 +138,9 @@ def test_packed_weights_exist_once(probe):
 
 
 def test_rss_flat_while_generating(probe):
-    # After warm-up a step touches nothing new but the KV rows it writes: the
-    # pool is committed lazily, page by page, so the worst case is every row
-    # of this request in fresh pages (46,080 B per token here). 4 MiB more is
+    # After warm-up a step touches nothing new: the KV pool was committed at
+    # start (kv_prefault); the bound still allows every row of this request
+    # in fresh pages (46,080 B per token here), as with kv_prefault=False. 4 MiB more is
     # for Python objects (token lists, text, per-step arrays) and allocator
     # slack. Measured: +2.4 MiB VmRSS for 64 tokens after a 4-token prompt (bound: 7.0 MiB).
     grown = probe["after"]["VmRSS"] - probe["warm"]["VmRSS"]
@@ -155,7 +156,8 @@ def test_rss_after_load_near_the_file_size(probe):
     # Measured: VmRSS 44 MiB after imports, 214 MiB after LLM() for a 94 MiB
     # file (was 449 MiB before loaders.gguf.release_file_pages dropped the
     # reader's metadata and the repacked file's pages, and fusion dropped the
-    # unstacked parts).
-    loaded = probe["loaded"]["VmRSS"] - probe["imports"]["VmRSS"]
+    # unstacked parts). The KV pool, committed at start (kv_prefault, its size
+    # configured: 8192 tokens x 46,080 B by default), is not weights: taken off.
+    loaded = probe["loaded"]["VmRSS"] - probe["imports"]["VmRSS"] - probe["kv_pool_bytes"]
     assert loaded <= 1.6 * probe["file_bytes"] + 40 * MiB, (
         f"RSS after load {loaded / MiB:.0f} MiB above imports, file {probe['file_bytes'] / MiB:.0f} MiB")

@@ -63,6 +63,20 @@ inline VecF gather(const float* base, const int32_t* idx) {
 inline VecF vmax(VecF a, VecF b) { return {_mm256_max_ps(a.v, b.v)}; }
 inline VecF vsub(VecF a, VecF b) { return {_mm256_sub_ps(a.v, b.v)}; }
 inline VecF vdiv(VecF a, VecF b) { return {_mm256_div_ps(a.v, b.v)}; }
+inline VecF vmin(VecF a, VecF b) { return {_mm256_min_ps(a.v, b.v)}; }
+inline VecF vabs(VecF a) { return {_mm256_andnot_ps(_mm256_set1_ps(-0.0f), a.v)}; }
+inline float reduce_max(VecF a) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+inline VecF vround(VecF a) { return {_mm256_round_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+// W lanes holding integers in [-128, 127] -> W int8
+inline void store_i8(int8_t* p, VecF a) {
+  const __m256i i = _mm256_cvtps_epi32(a.v);
+  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+  _mm_storel_epi64((__m128i*)p, _mm_packs_epi16(w, w));
+}
 // exp: x = n ln2 + r, |r| <= ln2/2 (ln2 split in two for an exact product),
 // exp(r) = 1 + r + r^2 P(r) with Cephes' degree-5 P (~1 ulp on [-ln2/2, ln2/2]),
 // times 2^n built in the exponent bits (n clamped to the normal range);

@@ -50,6 +50,12 @@ inline VecF gather(const float* base, const int32_t* idx) {
 inline VecF vmax(VecF a, VecF b) { return {_mm512_max_ps(a.v, b.v)}; }
 inline VecF vsub(VecF a, VecF b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline VecF vdiv(VecF a, VecF b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline VecF vmin(VecF a, VecF b) { return {_mm512_min_ps(a.v, b.v)}; }
+inline VecF vabs(VecF a) { return {_mm512_abs_ps(a.v)}; }
+inline float reduce_max(VecF a) { return _mm512_reduce_max_ps(a.v); }
+inline VecF vround(VecF a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+// W lanes holding integers in [-128, 127] -> W int8
+inline void store_i8(int8_t* p, VecF a) { _mm_storeu_si128((__m128i*)p, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(a.v))); }
 // exp: same reduction and polynomial as the AVX2 tier (see vec/avx2.h);
 // 2^n applied with vscalefps, which overflows to inf and underflows through
 // the subnormals to 0 like libm, so the clamp only keeps n in range.

@@ -56,5 +56,11 @@ inline VecF vmax(VecF a, VecF b) { return {a.v > b.v ? a.v : b.v}; }
 inline VecF vsub(VecF a, VecF b) { return {a.v - b.v}; }
 inline VecF vdiv(VecF a, VecF b) { return {a.v / b.v}; }
 inline VecF vexp(VecF a) { return {std::exp(a.v)}; }  // the reference: libm expf
+inline VecF vmin(VecF a, VecF b) { return {a.v < b.v ? a.v : b.v}; }
+inline VecF vabs(VecF a) { return {std::fabs(a.v)}; }
+inline float reduce_max(VecF a) { return a.v; }
+inline VecF vround(VecF a) { return {std::nearbyint(a.v)}; }  // half to even (default FP mode)
+// W lanes holding integers in [-128, 127] -> W int8
+inline void store_i8(int8_t* p, VecF a) { *p = (int8_t)(int)a.v; }
 
 }  // namespace LJ_NS

@@ -62,7 +62,8 @@ class LLM:
     per step), max_tokens_per_step (token budget of a step), block_size (KV
     block, in tokens), kv_cache_tokens (KV pool size; default
     max(max_model_len, 8192)), kv_dtype ("f32", "f16", "bf16", "int8"),
-    enable_prefix_caching. fuse: run the fusion passes (graph/passes: QKV +
+    enable_prefix_caching, kv_prefault (commit the pool's memory at start;
+    default True). fuse: run the fusion passes (graph/passes: QKV +
     RoPE + KV write, gate/up + SwiGLU, residual epilogues, add + RMSNorm with
     int8 on write, final norm in the LM head); fused weights are stacked once
     at load.
@@ -73,7 +74,7 @@ class LLM:
                  max_tokens_per_step: int = 256, kernels: str = "fast",
                  quantize: str | None = None, max_num_seqs: int = 64, block_size: int = 16,
                  kv_cache_tokens: int | None = None, kv_dtype: str = "f32",
-                 enable_prefix_caching: bool = True, fuse: bool = True) -> None:
+                 enable_prefix_caching: bool = True, kv_prefault: bool = True, fuse: bool = True) -> None:
         self.path = Path(path) if path is not None else default_model_path()
         self.model = load_model(self.path)
         self.config = self.model.config
@@ -89,11 +90,11 @@ class LLM:
         ec = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                           max_tokens_per_step=max_tokens_per_step, block_size=block_size,
                           kv_cache_tokens=kv_cache_tokens, kv_dtype=kv_dtype,
-                          enable_prefix_caching=enable_prefix_caching)
+                          enable_prefix_caching=enable_prefix_caching, kv_prefault=kv_prefault)
         runner = ModelRunner(self.model, max_model_len=max_model_len, max_tokens=ec.step_tokens,
                              max_seqs=min(ec.max_num_seqs, ec.step_tokens), block_size=block_size,
                              num_blocks=ec.num_kv_blocks, n_threads=n_threads, isa=isa, kv_dtype=kv_dtype,
-                             kernels=kernels, scheme=quantize, fuse=fuse)
+                             kernels=kernels, scheme=quantize, fuse=fuse, prefault_kv=kv_prefault)
         self.engine = Engine(runner, self.tokenizer, ec)
         if self.model.gguf_reader is not None and kernels != "reference":
             release_file_pages(self.model)  # repacked: the file's pages are no longer read

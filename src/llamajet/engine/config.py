@@ -11,7 +11,6 @@ from llamajet.errors import RequestError
 
 KV_CACHE_DTYPES = ("f32", "f16", "bf16", "int8")
 # Default pool: at least this many tokens (or one full context if longer).
-# Committed lazily, so an idle pool costs address space, not memory.
 DEFAULT_KV_CACHE_TOKENS = 8192
 
 
@@ -24,6 +23,12 @@ class EngineConfig:
     kv_cache_tokens: int | None = None   # pool size in tokens (None: max(max_model_len, 8192))
     kv_dtype: str = "f32"                # K/V storage: f32 | f16 | bf16 | int8 (per token-head scale)
     enable_prefix_caching: bool = True   # reuse the K/V of equal prompt prefixes across requests
+    # Commit the whole pool's memory at start (written once). The block
+    # manager hands out blocks least-recently-freed first (so cached prefixes
+    # live longest), which walks the whole pool anyway; committing lazily only
+    # moves that cost into steps as page faults (measured: 3.4 of 23 ms per
+    # batch-16 decode step of SmolLM2-135M). False: commit page by page.
+    kv_prefault: bool = True
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str):

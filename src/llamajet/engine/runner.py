@@ -48,7 +48,7 @@ class ModelRunner:
                  max_out: int = 64, max_seqs: int = 1, block_size: int = 16,
                  num_blocks: int | None = None, n_threads: int | None = None,
                  isa: str | None = None, kv_dtype: str = "f32", kernels: str = "fast",
-                 scheme: str | None = None, fuse: bool = True) -> None:
+                 scheme: str | None = None, fuse: bool = True, prefault_kv: bool = False) -> None:
         cfg = model.config
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype={kv_dtype!r}: use one of {', '.join(KV_DTYPES)}")
@@ -81,9 +81,13 @@ class ModelRunner:
             scratch_floats=0)  # the executor sizes per-thread scratch from the ops it is given
         self.arena = self.exe.alloc_buffer(self.plan.arena_bytes)
         num_slots = self.num_blocks * block_size
-        # Not zeroed, committed lazily: an unused block costs no RSS.
+        # Not zeroed by the allocator, so committed lazily (an unused block
+        # costs no RSS) unless prefault_kv: then written once here, so steps
+        # never take page faults (see EngineConfig.kv_prefault).
         kv_buf = self.exe.alloc_buffer(KVLayout.nbytes(cfg.num_layers, num_slots, cfg.num_kv_heads,
                                                        cfg.head_dim, kv_dtype))
+        if prefault_kv:
+            self.exe.buffer(kv_buf)[:] = 0
         self.kv = KVLayout(kv_buf, num_slots, cfg.num_kv_heads, cfg.head_dim, block_size, kv_dtype)
         lower(self.graph, self.plan, self.exe, self.arena, self.kv, act_int8=kernels == "fast")
         # The logits region of the arena, viewed once (valid after each step).
