@@ -408,6 +408,8 @@ def test_kv_write(isa, nth):
         p.run(T, slots=slots)
         for name, src in (("kp", k), ("vp", v)):
             pool = p.get(name, (slots_n, kvd))
+            if name == "kp":  # fp32 K pools are stored as K^T blocks (one head of kvd here)
+                pool = ref.k_pool_rows(pool, 1, kvd, bs)
             assert_bits_equal(pool[slots], src)
             rest = np.ones(slots_n, bool)
             rest[slots] = False
@@ -493,7 +495,8 @@ def test_attention(isa, nth, H, KVH, hd):
     p = Prog(isa, nth, T=T, S=S, B=max_blocks, kv_slots=slots_n, bs=bs, P=max_blocks * bs,
              scratch=attention_scratch(H // KVH, hd, bs, max_blocks))
     qo, ko, vo = p.buf("q", q), p.buf("k", knew), p.buf("v", vnew)
-    kp, vp, out = p.buf("kp", kpool), p.buf("vp", vpool), p.buf("out", n=T * H * hd)
+    kp, vp = p.buf("kp", ref.k_pool_from_rows(kpool, KVH, hd, bs)), p.buf("vp", vpool)
+    out = p.buf("out", n=T * H * hd)
     p.add("kv_write", "f32", ROWS_TOKENS, [kvd], [], [ko, vo, None, None, kp, vp])
     p.add("attention", "f32", ROWS_TOKENS, [H, KVH, hd, bs], [scale], [qo, None, kp, vp, out, None])
     p.run(T, positions=positions, slots=slots, seq=seq_of, bt=bt)

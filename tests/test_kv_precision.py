@@ -27,7 +27,7 @@ import pytest
 
 from llamajet import LLM, RequestError, SamplingParams, ops
 from llamajet.graph.lower import KV_DTYPES, KVLayout
-from llamajet.ops import OPS, ROWS_TOKENS, Executor
+from llamajet.ops import OPS, ROWS_TOKENS, Executor, ref
 
 ISAS = ops.supported_isas()
 THREADS = (1, 2)
@@ -154,6 +154,8 @@ def test_kv_write_stores_the_exact_conversion(dtype, isa, nth):
         p.ex.run(i32(z), i32(z), i32(slots), i32(z), i32(np.zeros((1, 1))), i32([]))
         for pool, src in ((kp, k), (vp, v)):
             got = p.rows(pool)
+            if dtype == "f32" and pool == kp:  # fp32 K pools are stored as K^T blocks of 16 slots
+                got = ref.k_pool_rows(got.view(np.float32), kvh, hd, 16).view(np.uint8)
             want = encode(dtype, src, kvh)
             if dtype in ("f16", "bf16"):  # NaN: any NaN code will do (torch keeps the sign, we do not)
                 nan = np.isnan(src)
@@ -234,6 +236,8 @@ def test_attention_over_every_kv_type(dtype, isa, nth, H, KVH, hd):
     for r, (s, pos_) in enumerate(order):
         kin[r], vin[r] = kseq[s][pos_], vseq[s][pos_]
     qb, kb, vb = p.buf(np.concatenate([q, np.zeros((40 - T, H * hd), np.float32)])), p.buf(kin), p.buf(vin)
+    if dtype == "f32":  # fp32 K pools are stored as K^T blocks
+        kpool = ref.k_pool_from_rows(kpool.view(np.float32), KVH, hd, bs).view(np.uint8)
     kp, vp = p.buf(kpool), p.buf(vpool)
     out = p.buf(nbytes=40 * H * hd * 4, fill=0xFF)
     p.add("kv_write", [kvd, KVH], [], [kb, vb, None, None, kp, vp])

@@ -169,14 +169,20 @@ int64_t op_scratch_floats(const Op& op, const ExecConfig& c) {
       if (!is_packed(op.wtype)) return cadd(cadd(cmul(TILE, K), keep), rows) + 64;
       const int64_t G = op.i[2];
       if (op.i[3]) return cadd(cadd(cmul(TILE, G), keep), rows) + 64;
-      if (pro == PRO_PREQUANT) return keep + 64;
+      // keep, one normalized row, the interleaved codes [M, kpad], then (not
+      // PREQUANT) the quantized rows (kernels/matmul.inc k_qmatmul_a8)
       const int64_t kpad = cmul((K + G - 1) / G, G);
-      const int64_t qbytes = cadd(cadd(cmul(M, kpad), 63) / 64 * 64, cmul(cmul(8, M), kpad / G));
-      return cadd(cadd(keep, K + 16), qbytes / 4 + 1) + 64;
+      const int64_t inter = cmul(M, kpad) / 4 + 16;
+      const int64_t qbytes = pro == PRO_PREQUANT ? 0 : cadd(cadd(cmul(M, kpad), 63) / 64 * 64, cmul(cmul(8, M), kpad / G)) + 64;
+      return cadd(cadd(cadd(keep, K + 16), inter), qbytes / 4 + 1) + 64;
     }
-    case OP_ATTENTION: {  // kernels/attention_tiled.inc att_prefill: K^T, V tiles, 16 x group rows
-      const int64_t group = op.i[0] / op.i[1], hd = op.i[2], bs = op.i[3];
-      return cadd(cadd(cmul(cmul(2, bs), hd), cmul(cmul(16, group), hd + 2)), 4 * bs + 2 * hd) + 64;
+    case OP_ATTENTION: {  // kernels/attention_tiled.inc att_item: block pointers, scores, conversions
+      const int64_t hd = op.i[2], bs = op.i[3], bsp = (bs + 15) / 16 * 16;
+      const int64_t nblk = c.max_blocks, keys = cmul(nblk, bs);
+      const int64_t scores = cmul(4, keys + 32);  // ATT_RB rows of ldS (<= keys + 2W)
+      // converted K^T blocks + V rows (not for an fp32 pool with bs % W == 0; sized for the widest W)
+      const int64_t conv = cadd(cmul(cmul(nblk, hd), bsp), cmul(keys, hd)) + hd;
+      return cadd(cadd(cmul(4, nblk), scores), conv) + 64;
     }
     case OP_ADD_RMSNORM: return op.i[0] + 64;
     default: return 0;
@@ -216,6 +222,7 @@ void Executor::add_op(Op op, const Operand opnd[OP_OPERANDS]) {
       if (nq <= 0 || nk <= 0 || hd <= 0 || hd % 2 || nq % TILE || nk % TILE || nq % hd || nk % hd ||
           cadd(nq, cmul(2, nk)) != N)
         throw std::invalid_argument("matmul: qkv epilogue needs N = q + 2 kv columns, 16-aligned, whole heads");
+      op.i[9] = cfg_.block_size;  // the K pool's K^T block geometry (kernels/attention.inc)
     }
   }
   if (op.kind == OP_KV_WRITE || op.kind == OP_ATTENTION) {  // KV storage types
@@ -223,6 +230,10 @@ void Executor::add_op(Op op, const Operand opnd[OP_OPERANDS]) {
       throw std::invalid_argument(std::string(kOpNames[op.kind]) + ": unknown KV storage type");
     if (op.kind == OP_KV_WRITE && op.wtype == KV_I8 && (op.i[1] < 1 || op.i[0] % op.i[1] != 0))
       throw std::invalid_argument("kv_write: int8 KV needs kv_heads > 0 dividing kv_dim");
+    if (op.kind == OP_KV_WRITE) {
+      if (op.i[1] > 0 && op.i[0] % op.i[1] != 0) throw std::invalid_argument("kv_write: kv_heads must divide kv_dim");
+      op.i[2] = cfg_.block_size;  // the K pool's K^T block geometry (kernels/attention.inc)
+    }
   }
   if (op.kind == OP_ATTENTION) {
     if (op.i[1] == 0 || op.i[0] % op.i[1] != 0 || op.i[3] == 0)

@@ -38,6 +38,13 @@ inline VecI dot_u8s8(VecI acc, VecI w, int32_t x4) { return {_mm512_dpbusd_epi32
 inline VecI dot_s8s8(VecI acc, VecI w, int32_t x4) {
   return {_mm512_dpbusd_epi32(acc.v, _mm512_xor_si512(w.v, _mm512_set1_epi8((char)0x80)), _mm512_set1_epi32(x4))};
 }
+// The same, x4 = the 4 bytes at p, as vpdpbusd's embedded-broadcast memory
+// operand (GCC does not fold _mm512_set1_epi32 of a load into {1to16}; a
+// separate broadcast per product doubles the uops of the GEMM inner loop).
+inline VecI dot_u8s8_at(VecI acc, VecI w, const int8_t* p) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc.v) : "v"(w.v), "m"(*(const int32_t*)p));
+  return acc;
+}
 inline VecI iadd(VecI a, VecI b) { return {_mm512_add_epi32(a.v, b.v)}; }
 inline VecI isub_scaled(VecI a, int32_t k, int32_t q) { return {_mm512_sub_epi32(a.v, _mm512_set1_epi32(k * q))}; }
 inline VecF cvt(VecI a) { return {_mm512_cvtepi32_ps(a.v)}; }

@@ -87,6 +87,21 @@ def rope(x: np.ndarray, positions, cos: np.ndarray, sin: np.ndarray, heads: int,
     return out.reshape(len(positions), heads * hd)
 
 
+def k_pool_from_rows(rows: np.ndarray, kv_heads: int, hd: int, block_size: int) -> np.ndarray:
+    """An fp32 K pool's storage from its rows [slots, kv_heads*hd]: each block
+    of block_size slots holds, per kv head, a [hd][block_size] K^T tile
+    (csrc/kernels/attention.inc). Same shape and size as `rows`."""
+    n, kvd = rows.shape
+    return np.ascontiguousarray(rows.reshape(n // block_size, block_size, kv_heads, hd)
+                                .transpose(0, 2, 3, 1).reshape(n, kvd))
+
+
+def k_pool_rows(pool: np.ndarray, kv_heads: int, hd: int, block_size: int) -> np.ndarray:
+    """Inverse of k_pool_from_rows: the rows [slots, kv_heads*hd] of an fp32 K pool."""
+    n, kvd = pool.shape
+    return pool.reshape(n // block_size, kv_heads, hd, block_size).transpose(0, 3, 1, 2).reshape(n, kvd)
+
+
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions, heads: int, kv_heads: int,
               hd: int, scale: float) -> np.ndarray:
     """Causal GQA for one sequence. q [T, heads*hd] at `positions`; k, v [L, kv_heads*hd]
