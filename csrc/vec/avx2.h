@@ -56,6 +56,13 @@ inline VecI dot_u8s8_at(VecI acc, VecI w, const int8_t* p) {  // x4 = the 4 byte
   std::memcpy(&x4, p, 4);
   return dot_u8s8(acc, w, x4);
 }
+// dot_s8s8 split in two (see vec/avx512.h); nothing to prepare here
+inline VecI prep_s8(VecI w) { return w; }
+inline VecI dot_s8s8_at(VecI acc, VecI w, const int8_t* p) {
+  int32_t x4;
+  std::memcpy(&x4, p, 4);
+  return dot_s8s8(acc, w, x4);
+}
 inline VecI iadd(VecI a, VecI b) { return {_mm256_add_epi32(a.v, b.v)}; }
 inline VecI isub_scaled(VecI a, int32_t k, int32_t q) { return {_mm256_sub_epi32(a.v, _mm256_set1_epi32(k * q))}; }
 inline VecF cvt(VecI a) { return {_mm256_cvtepi32_ps(a.v)}; }

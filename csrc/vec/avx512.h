@@ -45,6 +45,11 @@ inline VecI dot_u8s8_at(VecI acc, VecI w, const int8_t* p) {
   __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc.v) : "v"(w.v), "m"(*(const int32_t*)p));
   return acc;
 }
+// dot_s8s8 split in two: prep_s8 flips a weight vector to u8 once, then
+// dot_s8s8_at adds its products with the 4 int8 at p (broadcast operand) for
+// each row; same result as dot_s8s8 (the caller subtracts S8_BIAS * sum(x)).
+inline VecI prep_s8(VecI w) { return {_mm512_xor_si512(w.v, _mm512_set1_epi8((char)0x80))}; }
+inline VecI dot_s8s8_at(VecI acc, VecI wp, const int8_t* p) { return dot_u8s8_at(acc, wp, p); }
 inline VecI iadd(VecI a, VecI b) { return {_mm512_add_epi32(a.v, b.v)}; }
 inline VecI isub_scaled(VecI a, int32_t k, int32_t q) { return {_mm512_sub_epi32(a.v, _mm512_set1_epi32(k * q))}; }
 inline VecF cvt(VecI a) { return {_mm512_cvtepi32_ps(a.v)}; }

@@ -147,7 +147,7 @@ def main(a) -> int:
               flush=True)
     pool = llm.engine.runner.kv_pool_bytes
     print(f"KV pool: {llm.engine.blocks.num_blocks} blocks x {a.block_size} slots = "
-          f"{pool / 2**20:.1f} MiB allocated (committed as used); "
+          f"{pool / 2**20:.1f} MiB allocated (committed at start); "
           f"{llm.engine.runner.kv_bytes_per_block // a.block_size} bytes per token")
     if a.json:
         Path(a.json).write_text(json.dumps([dict(asdict(r), decode_tps=r.decode_tps, prefill_tps=r.prefill_tps,
