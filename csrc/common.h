@@ -102,7 +102,7 @@ struct Op {
   int32_t kind = 0;
   int32_t wtype = F32;  // storage type of w (matmul weight / embedding table)
   int64_t rows = 0;     // leading dimension M (or ROWS_* code)
-  int64_t i[10] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
   float f[2] = {0.f, 0.f};
   float* x = nullptr;        // main input
   const float* x2 = nullptr; // second input (add b, swiglu up, kv_write v)
@@ -114,7 +114,7 @@ struct Op {
   void* e1 = nullptr;
 };
 
-constexpr int OP_INTS = 10;     // Op::i
+constexpr int OP_INTS = 12;     // Op::i
 constexpr int OP_OPERANDS = 8;  // x, x2, w, w2, out, out2, e0, e1
 
 // One kernel: computes this thread's share [ith of nth] of the op.

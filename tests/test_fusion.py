@@ -161,10 +161,11 @@ def test_gate_up_refuses_partial_tiles_and_other_consumers(tiny, smollm2):
     assert len(log) == smollm2.config.num_layers - 1 and not any("blk.3." in l for l in log)
 
 
-def test_qkv_refuses_a_non_fp32_kv_cache_and_partial_tiles(tiny):
-    g = _graph(tiny)
-    snap = _snapshot(g)
-    assert fuse(g, FusionContext(kv_dtype="int8"), only=("qkv",)) == [] and _snapshot(g) == snap
+def test_qkv_refuses_an_int8_or_bf16_kv_cache_and_partial_tiles(tiny):
+    for kv in ("int8", "bf16"):  # the epilogue stores f32 or f16 only
+        g = _graph(tiny)
+        snap = _snapshot(g)
+        assert fuse(g, FusionContext(kv_dtype=kv), only=("qkv",)) == [] and _snapshot(g) == snap
     g = _graph(tiny)
     w = g.weights["blk.0.attn_k"]
     g.weights["blk.0.attn_k"] = copy.copy(w)
@@ -207,11 +208,14 @@ def test_quantize_on_write_needs_int8_packed_readers(tiny):
     assert not any("int8" in l for l in fuse(g, FusionContext(act_int8=False), only=("add_rmsnorm",)))
 
 
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
 @pytest.mark.parametrize("isa", __import__("llamajet.ops", fromlist=["x"]).supported_isas())
-def test_fused_equals_unfused_on_every_isa(smollm2, isa):
+def test_fused_equals_unfused_on_every_isa(smollm2, isa, kv_dtype):
     """Each tier compiles the fused epilogues from the same source as the
-    unfused kernels (same vector exp, no fp contraction): bit-identical."""
+    unfused kernels (same vector exp, no fp contraction; the QKV epilogue
+    stores fp16 K/V with kv_write's rounding): bit-identical."""
     ids = list(np.random.default_rng(5).integers(0, smollm2.config.vocab_size, 10))
-    ref, _ = _prefill_decode(smollm2, ids, fuse=False, isa=isa)
-    got, _ = _prefill_decode(smollm2, ids, fuse=True, isa=isa)
+    ref, _ = _prefill_decode(smollm2, ids, fuse=False, isa=isa, kv_dtype=kv_dtype)
+    got, r = _prefill_decode(smollm2, ids, fuse=True, isa=isa, kv_dtype=kv_dtype)
+    assert any(l.startswith("qkv:") for l in r.fusion_log)
     np.testing.assert_array_equal(got, ref)

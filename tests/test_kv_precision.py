@@ -87,6 +87,10 @@ def decode(dtype: str, rows: np.ndarray, kvh: int, hd: int) -> np.ndarray:
     return (scale * q).reshape(n, -1)
 
 
+# K pools stored as K^T blocks (csrc/kernels/attention.inc), by element type
+KT_TYPES = {"f32": np.float32, "f16": np.uint16}
+
+
 class KVProg:
     """An executor whose K/V pools hold `nslots` rows of KV type `dtype`."""
 
@@ -154,8 +158,8 @@ def test_kv_write_stores_the_exact_conversion(dtype, isa, nth):
         p.ex.run(i32(z), i32(z), i32(slots), i32(z), i32(np.zeros((1, 1))), i32([]))
         for pool, src in ((kp, k), (vp, v)):
             got = p.rows(pool)
-            if dtype == "f32" and pool == kp:  # fp32 K pools are stored as K^T blocks of 16 slots
-                got = ref.k_pool_rows(got.view(np.float32), kvh, hd, 16).view(np.uint8)
+            if dtype in KT_TYPES and pool == kp:  # fp32 / fp16 K pools are stored as K^T blocks of 16 slots
+                got = ref.k_pool_rows(got.view(KT_TYPES[dtype]), kvh, hd, 16).view(np.uint8)
             want = encode(dtype, src, kvh)
             if dtype in ("f16", "bf16"):  # NaN: any NaN code will do (torch keeps the sign, we do not)
                 nan = np.isnan(src)
@@ -236,8 +240,8 @@ def test_attention_over_every_kv_type(dtype, isa, nth, H, KVH, hd):
     for r, (s, pos_) in enumerate(order):
         kin[r], vin[r] = kseq[s][pos_], vseq[s][pos_]
     qb, kb, vb = p.buf(np.concatenate([q, np.zeros((40 - T, H * hd), np.float32)])), p.buf(kin), p.buf(vin)
-    if dtype == "f32":  # fp32 K pools are stored as K^T blocks
-        kpool = ref.k_pool_from_rows(kpool.view(np.float32), KVH, hd, bs).view(np.uint8)
+    if dtype in KT_TYPES:  # fp32 / fp16 K pools are stored as K^T blocks
+        kpool = ref.k_pool_from_rows(kpool.view(KT_TYPES[dtype]), KVH, hd, bs).view(np.uint8)
     kp, vp = p.buf(kpool), p.buf(vpool)
     out = p.buf(nbytes=40 * H * hd * 4, fill=0xFF)
     p.add("kv_write", [kvd, KVH], [], [kb, vb, None, None, kp, vp])

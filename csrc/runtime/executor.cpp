@@ -122,7 +122,7 @@ void operand_extents(const Op& op, const ExecConfig& c, int64_t ext[OP_OPERANDS]
       if (epi == EPI_RESIDUAL) ext[7] = ext[4];
       if (epi == EPI_QKV) {
         ext[1] = ext[3] = cmul(cmul(c.max_pos, op.i[8] / 2), f);  // sin, cos tables
-        ext[5] = cmul(cmul(c.kv_slots, op.i[7]), f);              // K pool (f32)
+        ext[5] = cmul(cmul(c.kv_slots, op.i[7]), op.i[9] == F16 ? 2 : f);  // K pool (f32 / f16)
         ext[7] = ext[5];                                           // V pool
       }
       break;
@@ -172,7 +172,7 @@ int64_t op_scratch_floats(const Op& op, const ExecConfig& c) {
       // keep, one normalized row, the interleaved codes [M, kpad], then (not
       // PREQUANT) the quantized rows (kernels/matmul.inc k_qmatmul_a8)
       const int64_t kpad = cmul((K + G - 1) / G, G);
-      const int64_t inter = cmul(M, kpad) / 4 + 16;
+      const int64_t inter = cadd(cmul(M, kpad) / 4, cmul(M, kpad / G)) + 16;  // + dxs [M, ng]
       const int64_t qbytes = pro == PRO_PREQUANT ? 0 : cadd(cadd(cmul(M, kpad), 63) / 64 * 64, cmul(cmul(8, M), kpad / G)) + 64;
       return cadd(cadd(cadd(keep, K + 16), inter), qbytes / 4 + 1) + 64;
     }
@@ -222,7 +222,8 @@ void Executor::add_op(Op op, const Operand opnd[OP_OPERANDS]) {
       if (nq <= 0 || nk <= 0 || hd <= 0 || hd % 2 || nq % TILE || nk % TILE || nq % hd || nk % hd ||
           cadd(nq, cmul(2, nk)) != N)
         throw std::invalid_argument("matmul: qkv epilogue needs N = q + 2 kv columns, 16-aligned, whole heads");
-      op.i[9] = cfg_.block_size;  // the K pool's K^T block geometry (kernels/attention.inc)
+      if (op.i[9] != F32 && op.i[9] != F16) throw std::invalid_argument("matmul: qkv epilogue writes f32 or f16 KV only");
+      op.i[10] = cfg_.block_size;  // the K pool's K^T block geometry (kernels/attention.inc)
     }
   }
   if (op.kind == OP_KV_WRITE || op.kind == OP_ATTENTION) {  // KV storage types

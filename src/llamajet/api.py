@@ -61,7 +61,9 @@ class LLM:
     Engine options (engine/config.py EngineConfig): max_num_seqs (sequences
     per step), max_tokens_per_step (token budget of a step), block_size (KV
     block, in tokens), kv_cache_tokens (KV pool size; default
-    max(max_model_len, 8192)), kv_dtype ("f32", "f16", "bf16", "int8"),
+    max(max_model_len, 8192)), kv_dtype ("f16" default — half the memory and
+    the bandwidth of "f32" at a measured cost of KL 5e-7 nats on WikiText-2,
+    llama.cpp's default too; "f32", "bf16", "int8"),
     enable_prefix_caching, kv_prefault (commit the pool's memory at start;
     default True). fuse: run the fusion passes (graph/passes: QKV +
     RoPE + KV write, gate/up + SwiGLU, residual epilogues, add + RMSNorm with
@@ -73,7 +75,7 @@ class LLM:
                  n_threads: int | None = None, isa: str | None = None,
                  max_tokens_per_step: int = 256, kernels: str = "fast",
                  quantize: str | None = None, max_num_seqs: int = 64, block_size: int = 16,
-                 kv_cache_tokens: int | None = None, kv_dtype: str = "f32",
+                 kv_cache_tokens: int | None = None, kv_dtype: str = "f16",
                  enable_prefix_caching: bool = True, kv_prefault: bool = True, fuse: bool = True) -> None:
         self.path = Path(path) if path is not None else default_model_path()
         self.model = load_model(self.path)

@@ -208,12 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run llama-cpp-python on the same GGUF, same threads, alternating rounds")
     b.add_argument("--vs-no-fuse", action="store_true",
                    help="also run llamajet without the fusion passes, alternating rounds")
-    b.add_argument("--rounds", type=int, default=3, help="rounds per engine (single-stream mode)")
+    b.add_argument("--rounds", type=int, default=3, help="rounds per engine (single-stream) or per batch size (--batch)")
     b.add_argument("--kernels", default="fast", help="fast | a16 | reference (single-stream mode)")
     b.add_argument("--batch", default=None, help="concurrent sequences, comma-separated, e.g. 1,4,16,64")
     b.add_argument("--prompt-tokens", type=int, default=64, help="prompt length of every sequence")
     b.add_argument("--max-tokens", "-n", type=int, default=128, help="tokens generated per sequence")
-    b.add_argument("--kv-dtype", default="f32", help="KV cache storage: f32|f16|bf16|int8")
+    b.add_argument("--kv-dtype", default="f16", help="KV cache storage: f32|f16 (default)|bf16|int8")
     b.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
     b.add_argument("--corpus", default=None, help="text the prompts are cut from (default: WikiText-2 test)")
     b.add_argument("--json", default=None, help="also write the results to this JSON file")
@@ -228,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     gr.add_argument("--dot", default=None, metavar="FILE", help="also write the graph as Graphviz DOT")
     gr.add_argument("--isa", default=None, help="kernel tier to name: scalar|avx2|avx512 (default: best)")
     gr.add_argument("--kernels", default="fast", choices=("fast", "a16", "reference"))
-    gr.add_argument("--kv-dtype", default="f32", help="KV cache storage: f32|f16|bf16|int8")
+    gr.add_argument("--kv-dtype", default="f16", help="KV cache storage: f32|f16 (default)|bf16|int8")
     gr.add_argument("--max-model-len", type=int, default=None, help="context length (sizes the RoPE tables)")
     gr.set_defaults(fn=cmd_graph)
     return ap

@@ -21,7 +21,7 @@ class EngineConfig:
     max_tokens_per_step: int = 256       # token budget of a step (prefill chunks + decode tokens)
     block_size: int = 16                 # token slots per KV block
     kv_cache_tokens: int | None = None   # pool size in tokens (None: max(max_model_len, 8192))
-    kv_dtype: str = "f32"                # K/V storage: f32 | f16 | bf16 | int8 (per token-head scale)
+    kv_dtype: str = "f16"                # K/V storage: f32 | f16 | bf16 | int8 (per token-head scale)
     enable_prefix_caching: bool = True   # reuse the K/V of equal prompt prefixes across requests
     # Commit the whole pool's memory at start (written once). The block
     # manager hands out blocks least-recently-freed first (so cached prefixes

@@ -15,7 +15,8 @@ directly and every step is timed:
   partly filled last block), and the bytes of those blocks.
 One engine serves every batch size (one Program, one pool sized for the
 largest); the prefix cache is cleared between runs so no run reuses
-another's prompts.
+another's prompts. `--rounds` rounds alternate over the batch sizes and
+each size reports its median round (ratios are then measured side by side).
 """
 
 from __future__ import annotations
@@ -140,11 +141,17 @@ def main(a) -> int:
     run_batch(llm, prompts[:1], 4)  # warm-up: code paths, thread pool
     print(f"model: {llm.path.name}  isa: {llm.isa}  threads: {llm.n_threads}  kv: {a.kv_dtype}, "
           f"block {a.block_size}  prompt {a.prompt_tokens} + {a.max_tokens} new tokens per sequence")
-    results = []
-    for b in batches:
-        results.append(run_batch(llm, prompts[:b], a.max_tokens))
-        print(format_results(results).splitlines()[-1] if len(results) > 1 else format_results(results),
-              flush=True)
+    # Rounds alternate over the batch sizes (this machine's speed drifts: every
+    # size sees the same drift); each size reports its median-throughput round.
+    rounds = max(1, a.rounds)
+    runs: dict[int, list[BatchResult]] = {b: [] for b in batches}
+    for i in range(rounds):
+        for b in batches:
+            runs[b].append(run_batch(llm, prompts[:b], a.max_tokens))
+        print(f"round {i + 1}/{rounds}: " + "  ".join(f"{b}: {runs[b][-1].decode_tps:.1f}" for b in batches)
+              + " decode tok/s", flush=True)
+    results = [sorted(runs[b], key=lambda r: r.decode_tps)[(rounds - 1) // 2] for b in batches]
+    print(format_results(results), flush=True)
     pool = llm.engine.runner.kv_pool_bytes
     print(f"KV pool: {llm.engine.blocks.num_blocks} blocks x {a.block_size} slots = "
           f"{pool / 2**20:.1f} MiB allocated (committed at start); "

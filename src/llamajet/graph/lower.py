@@ -103,7 +103,8 @@ def lower(graph: Graph, plan: MemoryPlan, exe, arena: int, kv: KVLayout, act_int
             epi, pro = at.get("epilogue", "store"), at.get("prologue", "none")
             packed = hasattr(w, "group")
             ints = [N, K, w.group if packed else 0, int(packed and not act_int8), _EPI[epi], _PRO[pro],
-                    at.get("nq", 0), at.get("nk", 0), at.get("head_dim", 0)]
+                    at.get("nq", 0), at.get("nk", 0), at.get("head_dim", 0),
+                    KV_DTYPES[kv.dtype] if epi == "qkv" else 0]  # the KV storage the epilogue writes
             opnd = [None if pro == "prequant" else a(x), None, w.data, None, a(out), None, None, None]
             floats = []
             if pro == "prequant":

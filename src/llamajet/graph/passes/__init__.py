@@ -25,7 +25,7 @@ class FusionContext:
     """What the passes must know about how the graph will run."""
 
     act_int8: bool = True   # packed matmuls take int8 activations (W*A8)
-    kv_dtype: str = "f32"   # the KV-cache storage type (the QKV epilogue writes fp32 rows)
+    kv_dtype: str = "f32"   # the KV-cache storage type (the QKV epilogue writes f32 or f16 only)
 
 
 def fuse(graph: Graph, ctx: FusionContext | None = None, only: tuple[str, ...] | None = None) -> list[str]:

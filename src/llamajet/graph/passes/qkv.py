@@ -6,8 +6,8 @@ Pattern (per block): matmul(h, Wq) -> q, matmul(h, Wk) -> k, matmul(h, Wv) -> v,
 rope(q) -> q_rot, rope(k) -> k_rot, kv_write(k_rot, v) -> kv.
 Legality: the three matmuls read the same input; q, k, v, k_rot have no
 consumer outside the pattern; the weights have one storage kind and K; q and
-k columns are whole 16-column tiles and whole heads; the KV cache is fp32
-(the epilogue writes fp32 rows). Q/K rows in rotate-half order are permuted
+k columns are whole 16-column tiles and whole heads; the KV cache is fp32 or
+fp16 (the epilogue writes those, converting like kv_write). Q/K rows in rotate-half order are permuted
 to interleaved order when stacked, so the epilogue's RoPE pairs sit side by
 side in every tile.
 """
@@ -28,7 +28,7 @@ def run(graph: Graph, ctx) -> list[str]:
             rk, kvw = graph.node(f"{prefix}.rope_k"), graph.node(f"{prefix}.kv_write")
         except KeyError:
             continue
-        if ctx.kv_dtype != "f32" or not all(m.op == "matmul" and not m.attrs for m in (mq, mk, mv)):
+        if ctx.kv_dtype not in ("f32", "f16") or not all(m.op == "matmul" and not m.attrs for m in (mq, mk, mv)):
             continue
         h = mq.inputs[0]
         if mk.inputs[0] != h or mv.inputs[0] != h:
