@@ -172,7 +172,7 @@ int64_t op_scratch_floats(const Op& op, const ExecConfig& c) {
       // keep, one normalized row, the interleaved codes [M, kpad], then (not
       // PREQUANT) the quantized rows (kernels/matmul.inc k_qmatmul_a8)
       const int64_t kpad = cmul((K + G - 1) / G, G);
-      const int64_t inter = cadd(cmul(M, kpad) / 4, cmul(M, kpad / G)) + 16;  // + dxs [M, ng]
+      const int64_t inter = cadd(cmul(M, kpad) / 4 + 16, cmul(2 * M, kpad / G)) + 32;  // + scalars [M][ng][2]
       const int64_t qbytes = pro == PRO_PREQUANT ? 0 : cadd(cadd(cmul(M, kpad), 63) / 64 * 64, cmul(cmul(8, M), kpad / G)) + 64;
       return cadd(cadd(cadd(keep, K + 16), inter), qbytes / 4 + 1) + 64;
     }

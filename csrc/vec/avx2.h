@@ -64,7 +64,7 @@ inline VecI dot_s8s8_at(VecI acc, VecI w, const int8_t* p) {
   return dot_s8s8(acc, w, x4);
 }
 inline VecI iadd(VecI a, VecI b) { return {_mm256_add_epi32(a.v, b.v)}; }
-inline VecI isub_scaled(VecI a, int32_t k, int32_t q) { return {_mm256_sub_epi32(a.v, _mm256_set1_epi32(k * q))}; }
+inline VecI isub(VecI a, int32_t b) { return {_mm256_sub_epi32(a.v, _mm256_set1_epi32(b))}; }
 inline VecF cvt(VecI a) { return {_mm256_cvtepi32_ps(a.v)}; }
 inline VecF load_h(const uint16_t* p) { return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p))}; }
 

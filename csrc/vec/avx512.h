@@ -51,7 +51,7 @@ inline VecI dot_u8s8_at(VecI acc, VecI w, const int8_t* p) {
 inline VecI prep_s8(VecI w) { return {_mm512_xor_si512(w.v, _mm512_set1_epi8((char)0x80))}; }
 inline VecI dot_s8s8_at(VecI acc, VecI wp, const int8_t* p) { return dot_u8s8_at(acc, wp, p); }
 inline VecI iadd(VecI a, VecI b) { return {_mm512_add_epi32(a.v, b.v)}; }
-inline VecI isub_scaled(VecI a, int32_t k, int32_t q) { return {_mm512_sub_epi32(a.v, _mm512_set1_epi32(k * q))}; }
+inline VecI isub(VecI a, int32_t b) { return {_mm512_sub_epi32(a.v, _mm512_set1_epi32(b))}; }
 inline VecF cvt(VecI a) { return {_mm512_cvtepi32_ps(a.v)}; }
 inline VecF load_h(const uint16_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p))}; }
 

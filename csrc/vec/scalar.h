@@ -58,7 +58,7 @@ inline VecI dot_s8s8_at(VecI acc, VecI w, const int8_t* p) {
   return dot_s8s8(acc, w, x4);
 }
 inline VecI iadd(VecI a, VecI b) { return {a.v + b.v}; }
-inline VecI isub_scaled(VecI a, int32_t k, int32_t q) { return {a.v - k * q}; }
+inline VecI isub(VecI a, int32_t b) { return {a.v - b}; }
 inline VecF cvt(VecI a) { return {(float)a.v}; }
 inline VecF load_h(const uint16_t* p) { return {lj::f16_to_f32(*p)}; }
 
