@@ -446,14 +446,18 @@ def attention_ref_bound(q, kseq, vseq, positions, H, KVH, hd, scale):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("H,KVH,hd", ((2, 2, 8), (6, 2, 64), (8, 2, 72), (4, 1, 16)),
                          ids=("mha-hd8", "gqa3-hd64", "gqa4-hd72", "mqa-hd16"))
-def test_attention(isa, nth, H, KVH, hd):
+@pytest.mark.parametrize("bs", (16, 5))
+def test_attention(isa, nth, H, KVH, hd, bs):
     """Several sequences in one step: a prefill chunk of one (on top of a
     cached prefix) and decode rows of others, tokens of different sequences
     interleaved, each read through a shuffled, non-contiguous block table.
     The step's own K/V are written by a kv_write op first (the real decode
-    program); the cached prefix is placed in the pools directly."""
-    g = rng("attn", isa, nth, H, KVH, hd)
-    bs, nblocks, max_blocks = 16, 24, 6
+    program); the cached prefix is placed in the pools directly. Block size
+    16 reads the fp32 K^T blocks in place; 5 (not a multiple of any vector
+    width) goes through the padded copy."""
+    g = rng("attn", isa, nth, H, KVH, hd, bs)
+    max_blocks = -(-96 // bs)
+    nblocks = 4 * max_blocks
     slots_n = bs * nblocks
     kvd = KVH * hd
     scale = 1.0 / np.sqrt(hd)

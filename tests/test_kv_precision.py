@@ -189,13 +189,16 @@ def test_int8_kv_error_is_at_most_half_a_step():
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", KV_TYPES)
 @pytest.mark.parametrize("H,KVH,hd", ((6, 2, 64), (4, 1, 6), (8, 4, 8)), ids=("gqa3-hd64", "mqa-hd6", "gqa2-hd8"))
-def test_attention_over_every_kv_type(dtype, isa, nth, H, KVH, hd):
+@pytest.mark.parametrize("bs", (16, 5))
+def test_attention_over_every_kv_type(dtype, isa, nth, H, KVH, hd, bs):
     """Several sequences, shuffled block tables, a prefill chunk beside decode
-    rows; the step's own K/V written by kv_write in the pool's format."""
+    rows; the step's own K/V written by kv_write in the pool's format. Block
+    size 16: fp32 / fp16 K^T blocks read in place; 5: converted copies."""
     from test_kernels import attention_ref_bound, assert_close
 
-    g = rng("attn-kv", dtype, isa, nth, H, KVH, hd)
-    bs, nblocks, max_blocks = 16, 24, 6
+    g = rng("attn-kv", dtype, isa, nth, H, KVH, hd, bs)
+    max_blocks = -(-96 // bs)
+    nblocks = 4 * max_blocks
     nslots = bs * nblocks
     kvd = KVH * hd
     scale = 1.0 / np.sqrt(hd)
@@ -213,7 +216,7 @@ def test_attention_over_every_kv_type(dtype, isa, nth, H, KVH, hd):
         return bt[s, p // bs] * bs + p % bs
 
     # scratch: ample for any attention kernel's tiles (the executor checks the real need)
-    p = KVProg(isa, nth, dtype, KVH, hd, T=40, S=S, B=max_blocks, nslots=nslots, scratch=1 << 14)
+    p = KVProg(isa, nth, dtype, KVH, hd, T=40, S=S, B=max_blocks, bs=bs, nslots=nslots, scratch=1 << 14)
     kpool = np.full((nslots, p.rb), 0xFF, np.uint8)  # 0xFF: NaN in every float format, a wild int8 scale
     vpool = kpool.copy()
     kseq, vseq = [], []
