@@ -161,3 +161,20 @@ def test_cli_chat_default_model_multi_turn(smollm2_gguf):
              env=env)
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout and "Rome" in r.stdout
+
+
+def test_bench_reports_a_worker_that_dies_instead_of_hanging():
+    """`llamajet bench --vs-llama-cpp` talks to each engine in its own process;
+    one that crashes (as a yardstick built for the wrong CPU does) must end the
+    bench with its name and exit code, not leave it waiting on the pipe."""
+    import multiprocessing as mp
+
+    from llamajet.eval.bench_latency import _Checked
+
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    pr = ctx.Process(target=os._exit, args=(3,), daemon=True)  # dies without a word
+    pr.start()
+    b.close()
+    with pytest.raises(SystemExit, match=r"the yardstick worker died \(exit code 3\)"):
+        _Checked(a, "yardstick", pr).recv()

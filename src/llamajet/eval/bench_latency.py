@@ -83,6 +83,24 @@ def _serve(conn, timed):
         conn.send(("t", timed(*msg)))
 
 
+class _Checked:
+    """A worker's pipe end: a worker that dies (e.g. a native crash in the
+    yardstick) is reported by name and exit code instead of hanging the bench."""
+
+    def __init__(self, conn, name, proc):
+        self.conn, self.name, self.proc = conn, name, proc
+
+    def send(self, msg):
+        self.conn.send(msg)
+
+    def recv(self):
+        try:
+            return self.conn.recv()
+        except EOFError:
+            self.proc.join(5)
+            raise SystemExit(f"llamajet bench: the {self.name} worker died (exit code {self.proc.exitcode})") from None
+
+
 @dataclass
 class EngineFigures:
     name: str
@@ -131,9 +149,10 @@ def run(model: str | None = None, threads: int | None = None, rounds: int = 3, v
         a, b = ctx.Pipe()
         pr = ctx.Process(target=fn, args=(b, model, threads, kernels, max_len, fuse), daemon=True)
         pr.start()
-        tag, label = a.recv()
-        conns.append(a)
+        b.close()  # only the child holds its end: if it dies, recv() here raises EOFError instead of waiting
+        conns.append(_Checked(a, name, pr))
         procs.append(pr)
+        tag, label = conns[-1].recv()
         figs.append(EngineFigures(label))
     for c in conns:  # warm-up round, not recorded
         _round(c, prompts, EngineFigures("warm-up"))
