@@ -51,18 +51,6 @@ inline VecI dot_s8s8(VecI acc, VecI w, int32_t x4) {
   const __m256i p16 = _mm256_maddubs_epi16(_mm256_abs_epi8(w.v), _mm256_sign_epi8(x, w.v));
   return {_mm256_add_epi32(acc.v, _mm256_madd_epi16(p16, _mm256_set1_epi16(1)))};
 }
-inline VecI dot_u8s8_at(VecI acc, VecI w, const int8_t* p) {  // x4 = the 4 bytes at p
-  int32_t x4;
-  std::memcpy(&x4, p, 4);
-  return dot_u8s8(acc, w, x4);
-}
-// dot_s8s8 split in two (see vec/avx512.h); nothing to prepare here
-inline VecI prep_s8(VecI w) { return w; }
-inline VecI dot_s8s8_at(VecI acc, VecI w, const int8_t* p) {
-  int32_t x4;
-  std::memcpy(&x4, p, 4);
-  return dot_s8s8(acc, w, x4);
-}
 inline VecI iadd(VecI a, VecI b) { return {_mm256_add_epi32(a.v, b.v)}; }
 inline VecI isub(VecI a, int32_t b) { return {_mm256_sub_epi32(a.v, _mm256_set1_epi32(b))}; }
 inline VecF cvt(VecI a) { return {_mm256_cvtepi32_ps(a.v)}; }

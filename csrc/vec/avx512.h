@@ -41,6 +41,7 @@ inline VecI dot_s8s8(VecI acc, VecI w, int32_t x4) {
 // The same, x4 = the 4 bytes at p, as vpdpbusd's embedded-broadcast memory
 // operand (GCC does not fold _mm512_set1_epi32 of a load into {1to16}; a
 // separate broadcast per product doubles the uops of the GEMM inner loop).
+#define LJ_VEC_DOT_AT 1  // this tier has its own dot_u8s8_at / prep_s8 / dot_s8s8_at
 inline VecI dot_u8s8_at(VecI acc, VecI w, const int8_t* p) {
   __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc.v) : "v"(w.v), "m"(*(const int32_t*)p));
   return acc;

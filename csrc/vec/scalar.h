@@ -45,18 +45,6 @@ inline VecI dot_s8s8(VecI acc, VecI w, int32_t x4) {
   for (int j = 0; j < 4; ++j) s += (int32_t)(int8_t)(w.v >> (8 * j)) * (int32_t)(int8_t)(x4 >> (8 * j));
   return {s};
 }
-inline VecI dot_u8s8_at(VecI acc, VecI w, const int8_t* p) {  // x4 = the 4 bytes at p
-  int32_t x4;
-  std::memcpy(&x4, p, 4);
-  return dot_u8s8(acc, w, x4);
-}
-// dot_s8s8 split in two (see vec/avx512.h); nothing to prepare here
-inline VecI prep_s8(VecI w) { return w; }
-inline VecI dot_s8s8_at(VecI acc, VecI w, const int8_t* p) {
-  int32_t x4;
-  std::memcpy(&x4, p, 4);
-  return dot_s8s8(acc, w, x4);
-}
 inline VecI iadd(VecI a, VecI b) { return {a.v + b.v}; }
 inline VecI isub(VecI a, int32_t b) { return {a.v - b}; }
 inline VecF cvt(VecI a) { return {(float)a.v}; }
