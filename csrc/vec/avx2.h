@@ -33,6 +33,15 @@ inline void f16_row_to_f32(const uint16_t* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = lj::f16_to_f32(src[i]);
 }
 
+// fp32 -> fp16, round to nearest even (vcvtps2ph; the same bits as
+// lj::f32_to_f16 for every number, any NaN for a NaN)
+inline void f32_row_to_f16(const float* src, uint16_t* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128((__m128i*)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < n; ++i) dst[i] = lj::f32_to_f16(src[i]);
+}
+
 // ---- integer lanes: one lane = one weight row's 4 consecutive byte codes
 struct VecI { __m256i v; };
 constexpr int S8_BIAS = 0;  // the sign trick keeps dot_s8s8 exact

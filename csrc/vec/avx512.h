@@ -26,6 +26,15 @@ inline void f16_row_to_f32(const uint16_t* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = lj::f16_to_f32(src[i]);
 }
 
+// fp32 -> fp16, round to nearest even (vcvtps2ph; the same bits as
+// lj::f32_to_f16 for every number, any NaN for a NaN)
+inline void f32_row_to_f16(const float* src, uint16_t* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256((__m256i*)(dst + i), _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < n; ++i) dst[i] = lj::f32_to_f16(src[i]);
+}
+
 // ---- integer lanes: one lane = one weight row's 4 consecutive byte codes
 struct VecI { __m512i v; };
 // dot_s8s8 flips w to u8 (w + 128) for vpdpbusd: the caller subtracts 128 * sum(x).

@@ -25,6 +25,10 @@ inline void f16_row_to_f32(const uint16_t* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = lj::f16_to_f32(src[i]);
 }
 
+inline void f32_row_to_f16(const float* src, uint16_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = lj::f32_to_f16(src[i]);
+}
+
 // ---- integer lanes: one lane = one weight row's 4 consecutive byte codes
 struct VecI { int32_t v; };
 constexpr int S8_BIAS = 0;  // dot_s8s8 is exact here
