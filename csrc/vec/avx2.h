@@ -65,9 +65,6 @@ inline VecI isub(VecI a, int32_t b) { return {_mm256_sub_epi32(a.v, _mm256_set1_
 inline VecF cvt(VecI a) { return {_mm256_cvtepi32_ps(a.v)}; }
 inline VecF load_h(const uint16_t* p) { return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p))}; }
 
-inline VecF gather(const float* base, const int32_t* idx) {
-  return {_mm256_i32gather_ps(base, _mm256_loadu_si256((const __m256i*)idx), 4)};
-}
 // ---- math
 inline VecF vmax(VecF a, VecF b) { return {_mm256_max_ps(a.v, b.v)}; }
 inline VecF vsub(VecF a, VecF b) { return {_mm256_sub_ps(a.v, b.v)}; }

@@ -65,9 +65,6 @@ inline VecI isub(VecI a, int32_t b) { return {_mm512_sub_epi32(a.v, _mm512_set1_
 inline VecF cvt(VecI a) { return {_mm512_cvtepi32_ps(a.v)}; }
 inline VecF load_h(const uint16_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p))}; }
 
-inline VecF gather(const float* base, const int32_t* idx) {
-  return {_mm512_i32gather_ps(_mm512_loadu_si512((const void*)idx), base, 4)};
-}
 // ---- math
 inline VecF vmax(VecF a, VecF b) { return {_mm512_max_ps(a.v, b.v)}; }
 inline VecF vsub(VecF a, VecF b) { return {_mm512_sub_ps(a.v, b.v)}; }

@@ -54,7 +54,6 @@ inline VecI isub(VecI a, int32_t b) { return {a.v - b}; }
 inline VecF cvt(VecI a) { return {(float)a.v}; }
 inline VecF load_h(const uint16_t* p) { return {lj::f16_to_f32(*p)}; }
 
-inline VecF gather(const float* base, const int32_t* idx) { return {base[idx[0]]}; }
 // ---- math
 inline VecF vmax(VecF a, VecF b) { return {a.v > b.v ? a.v : b.v}; }
 inline VecF vsub(VecF a, VecF b) { return {a.v - b.v}; }
