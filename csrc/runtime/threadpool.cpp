@@ -12,6 +12,25 @@ namespace {
 // on a descheduled one gives its core away.
 constexpr int kSpinBeforeSleep = 20000;
 constexpr int kSpinBeforeYield = 2000;
+
+// Waits inside a job until ready(a's value): spins kSpinBeforeYield pauses,
+// then sleeps on a's futex, counted in `sleepers` so the releaser notifies
+// only when someone sleeps.
+// NOTE: the sleeper count goes up before wait() re-checks a's value, so a
+// release between the two is seen by wait() (no lost wake-up).
+template <class T, class Ready>
+void spin_then_sleep(std::atomic<T>& a, std::atomic<int>& sleepers, Ready ready) {
+  int spins = 0;
+  for (T v; !ready(v = a.load(std::memory_order_acquire));) {
+    if (++spins < kSpinBeforeYield) {
+      _mm_pause();
+    } else {
+      sleepers.fetch_add(1, std::memory_order_seq_cst);
+      a.wait(v, std::memory_order_seq_cst);
+      sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    }
+  }
+}
 }  // namespace
 
 ThreadPool::ThreadPool(int n_threads) : nth_(n_threads < 1 ? 1 : n_threads) {
@@ -38,16 +57,7 @@ void ThreadPool::run(JobFn fn, void* ctx) {
   job_gen_.notify_all();
   fn(ctx, 0, nth_);
   // Wait for the other nth-1 workers to finish this job.
-  int spins = 0;
-  for (int d; (d = done_.load(std::memory_order_acquire)) != nth_ - 1;) {
-    if (++spins < kSpinBeforeYield) {
-      _mm_pause();
-    } else {
-      done_sleepers_.fetch_add(1, std::memory_order_seq_cst);
-      done_.wait(d, std::memory_order_seq_cst);
-      done_sleepers_.fetch_sub(1, std::memory_order_seq_cst);
-    }
-  }
+  spin_then_sleep(done_, done_sleepers_, [this](int d) { return d == nth_ - 1; });
 }
 
 void ThreadPool::barrier() {
@@ -60,18 +70,7 @@ void ThreadPool::barrier() {
     if (bar_sleepers_.load(std::memory_order_seq_cst) > 0) bar_gen_.notify_all();
     return;
   }
-  int spins = 0;
-  while (bar_gen_.load(std::memory_order_acquire) == gen) {
-    if (++spins < kSpinBeforeYield) {
-      _mm_pause();
-    } else {
-      // NOTE: the sleeper count goes up before wait() re-checks bar_gen_, so a
-      // release between the two is seen by wait() (no lost wake-up).
-      bar_sleepers_.fetch_add(1, std::memory_order_seq_cst);
-      bar_gen_.wait(gen, std::memory_order_seq_cst);
-      bar_sleepers_.fetch_sub(1, std::memory_order_seq_cst);
-    }
-  }
+  spin_then_sleep(bar_gen_, bar_sleepers_, [gen](uint32_t g) { return g != gen; });
 }
 
 void ThreadPool::worker(int ith) {
