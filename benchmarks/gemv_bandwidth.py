@@ -23,12 +23,14 @@ from llamajet.quant.pack import quantize_rtn
 SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 
 
-def build(isa, threads, scheme, layers, rng):
-    ex = ops.Executor(isa=isa, n_threads=threads, max_tokens=1, max_out=1, max_seqs=1, max_blocks=1,
+def build(isa, threads, scheme, layers, rng, m=1):
+    """The matmul chain (SHAPES x layers, distinct weight copies) at m rows;
+    returns the executor, the weights it reads and their bytes."""
+    ex = ops.Executor(isa=isa, n_threads=threads, max_tokens=m, max_out=m, max_seqs=1, max_blocks=1,
                       kv_slots=16, block_size=16, max_pos=1, scratch_floats=1 << 16)
-    xb = ex.alloc_buffer(4 * 1536)
-    ex.buffer(xb).view(np.float32)[:] = rng.normal(size=1536)
-    ob = ex.alloc_buffer(4 * 1536)
+    xb = ex.alloc_buffer(4 * 1536 * m)
+    ex.buffer(xb).view(np.float32)[:] = rng.normal(size=1536 * m)
+    ob = ex.alloc_buffer(4 * 1536 * m)
     keep, nbytes = [], 0
     base = {s: quantize_rtn("w", rng.normal(size=s).astype(np.float32), scheme) for s in set(SHAPES)}
     for _ in range(layers):
@@ -37,7 +39,7 @@ def build(isa, threads, scheme, layers, rng):
             data = pw.data.copy()  # a distinct copy per layer: nothing stays cached
             keep.append(data)
             nbytes += data.nbytes
-            ex.add_op(ops.OPS["matmul"], ops.DTYPES[pw.dtype], 1, [n, k, pw.group, 0], [],
+            ex.add_op(ops.OPS["matmul"], ops.DTYPES[pw.dtype], m, [n, k, pw.group, 0], [],
                       [(xb, 0), None, data, None, (ob, 0), None])
     return ex, keep, nbytes
 

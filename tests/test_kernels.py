@@ -419,6 +419,27 @@ def test_kv_write(isa, nth):
 # ------------------------------------------------------------------ attention
 
 
+def shuffled_block_tables(g, steps, bs, nblocks, max_blocks):
+    """Block tables [len(steps), max_blocks] giving sequence s the blocks its
+    last position steps[s][-1] needs, drawn without repeats from a shuffled
+    pool of nblocks (unused entries: valid ids, never read), and slot(s, p):
+    the KV slot of sequence s's position p."""
+    perm = g.permutation(nblocks)
+    bt = np.empty((len(steps), max_blocks), np.int32)
+    used = 0
+    for s, pos in enumerate(steps):
+        need = pos[-1] // bs + 1
+        bt[s, :need] = perm[used: used + need]
+        used += need
+        bt[s, need:] = g.integers(0, nblocks, size=max_blocks - need)
+    assert used <= nblocks
+
+    def slot(s, p):
+        return bt[s, p // bs] * bs + p % bs
+
+    return bt, slot
+
+
 def attention_ref_bound(q, kseq, vseq, positions, H, KVH, hd, scale):
     """ref.attention for one sequence and the per-element error bound of the
     module docstring."""
@@ -464,18 +485,7 @@ def test_attention(isa, nth, H, KVH, hd, bs):
     # sequence -> positions computed this step (contexts end at the last one)
     steps = [np.arange(21, 53), np.array([70]), np.array([0]), np.array([16]), np.array([95])]
     S = len(steps)
-    perm = g.permutation(nblocks)
-    bt = np.empty((S, max_blocks), np.int32)
-    used = 0
-    for s, pos in enumerate(steps):
-        need = pos[-1] // bs + 1
-        bt[s, :need] = perm[used: used + need]
-        used += need
-        bt[s, need:] = g.integers(0, nblocks, size=max_blocks - need)  # valid ids, never read
-    assert used <= nblocks
-
-    def slot(s, p):
-        return bt[s, p // bs] * bs + p % bs
+    bt, slot = shuffled_block_tables(g, steps, bs, nblocks, max_blocks)
 
     kpool = np.full((slots_n, kvd), np.nan, np.float32)  # NaN: any stray read poisons the output
     vpool = np.full((slots_n, kvd), np.nan, np.float32)

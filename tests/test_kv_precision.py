@@ -194,7 +194,7 @@ def test_attention_over_every_kv_type(dtype, isa, nth, H, KVH, hd, bs):
     """Several sequences, shuffled block tables, a prefill chunk beside decode
     rows; the step's own K/V written by kv_write in the pool's format. Block
     size 16: fp32 / fp16 K^T blocks read in place; 5: converted copies."""
-    from test_kernels import attention_ref_bound, assert_close
+    from test_kernels import attention_ref_bound, assert_close, shuffled_block_tables
 
     g = rng("attn-kv", dtype, isa, nth, H, KVH, hd, bs)
     max_blocks = -(-96 // bs)
@@ -204,16 +204,7 @@ def test_attention_over_every_kv_type(dtype, isa, nth, H, KVH, hd, bs):
     scale = 1.0 / np.sqrt(hd)
     steps = [np.arange(21, 53), np.array([70]), np.array([0]), np.array([95])]
     S = len(steps)
-    perm = g.permutation(nblocks)
-    bt = np.zeros((S, max_blocks), np.int32)
-    used = 0
-    for s, pos in enumerate(steps):
-        need = pos[-1] // bs + 1
-        bt[s, :need] = perm[used : used + need]
-        used += need
-
-    def slot(s, p):
-        return bt[s, p // bs] * bs + p % bs
+    bt, slot = shuffled_block_tables(g, steps, bs, nblocks, max_blocks)
 
     # scratch: ample for any attention kernel's tiles (the executor checks the real need)
     p = KVProg(isa, nth, dtype, KVH, hd, T=40, S=S, B=max_blocks, bs=bs, nslots=nslots, scratch=1 << 14)

@@ -130,11 +130,16 @@ def smol(smol_reader) -> Tokenizer:
     return tokenizer_from_gguf(smol_reader)
 
 
+def _transformers_gguf_tokenizer(path, what):
+    """transformers' own tokenizer for a GGUF file (the reference for ours)."""
+    transformers = pytest.importorskip("transformers")
+    path = _need(path, what)
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
 @pytest.fixture(scope="module")
 def smol_ref():
-    transformers = pytest.importorskip("transformers")
-    path = _need(SMOL_GGUF, "SmolLM2 GGUF")
-    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return _transformers_gguf_tokenizer(SMOL_GGUF, "SmolLM2 GGUF")
 
 
 @pytest.fixture(scope="module")
@@ -149,9 +154,7 @@ def stories_ref():
 
 @pytest.fixture(scope="module")
 def stories_tf_ref():
-    transformers = pytest.importorskip("transformers")
-    path = _need(STORIES_GGUF, "stories260K GGUF")
-    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return _transformers_gguf_tokenizer(STORIES_GGUF, "stories260K GGUF")
 
 
 @pytest.fixture(scope="module")

@@ -88,7 +88,7 @@ def rope(x: np.ndarray, positions, cos: np.ndarray, sin: np.ndarray, heads: int,
 
 
 def k_pool_from_rows(rows: np.ndarray, kv_heads: int, hd: int, block_size: int) -> np.ndarray:
-    """An fp32 K pool's storage from its rows [slots, kv_heads*hd]: each block
+    """An fp32 / fp16 K pool's storage from its rows [slots, kv_heads*hd]: each block
     of block_size slots holds, per kv head, a [hd][block_size] K^T tile
     (csrc/kernels/attention.inc). Same shape and size as `rows`."""
     n, kvd = rows.shape
@@ -97,7 +97,7 @@ def k_pool_from_rows(rows: np.ndarray, kv_heads: int, hd: int, block_size: int) 
 
 
 def k_pool_rows(pool: np.ndarray, kv_heads: int, hd: int, block_size: int) -> np.ndarray:
-    """Inverse of k_pool_from_rows: the rows [slots, kv_heads*hd] of an fp32 K pool."""
+    """Inverse of k_pool_from_rows: the rows [slots, kv_heads*hd] of an fp32 / fp16 K pool."""
     n, kvd = pool.shape
     return pool.reshape(n // block_size, kv_heads, hd, block_size).transpose(0, 3, 1, 2).reshape(n, kvd)
 
