@@ -140,5 +140,6 @@ struct KernelTable {
 const KernelTable* kernels_ref();
 const KernelTable* kernels_avx2();
 const KernelTable* kernels_avx512();
+const KernelTable* kernels_amx();
 
 }  // namespace lj

@@ -172,14 +172,14 @@ def assert_close(got, want, atol, what=""):
 
 
 def test_supported_isas_start_with_ref():
-    assert ISAS[0] == "ref" and set(ISAS) <= {"ref", "avx2", "avx512"}
-    assert ISAS == [i for i in ("ref", "avx2", "avx512") if i in ISAS]  # lowest first
+    assert ISAS[0] == "ref" and set(ISAS) <= {"ref", "avx2", "avx512", "amx"}
+    assert ISAS == [i for i in ("ref", "avx2", "avx512", "amx") if i in ISAS]  # lowest first
 
 
 def test_resolve_isa_env(monkeypatch):
     monkeypatch.delenv("LLAMAJET_ISA", raising=False)
     assert ops.resolve_isa() == ISAS[-1]
-    for name, want in (("scalar", "ref"), ("ref", "ref"), ("avx2", "avx2"), ("avx512", "avx512"),
+    for name, want in (("scalar", "ref"), ("ref", "ref"), ("avx2", "avx2"), ("avx512", "avx512"), ("amx", "amx"),
                        ("AVX2", "avx2")):
         monkeypatch.setenv("LLAMAJET_ISA", name)
         if want in ISAS:

@@ -179,3 +179,29 @@ def test_cpp_quantize_refusals():
         ops.dequantize_packed("pk_i8", 32, (16, 64), np.zeros(10, np.uint8))
     with pytest.raises(KeyError):
         ops.quantize_packed("q4_7", 32, w)
+
+
+WIDE = [i for i in ISAS if i in ("avx512", "amx")]
+
+
+@pytest.mark.skipif(not WIDE, reason="no AVX-512 tier on this CPU")
+@pytest.mark.parametrize("isa", WIDE)
+@pytest.mark.parametrize("scheme", [s for s in SCHEMES if s.name in
+                                    ("int4_sym_g32", "int4_asym_g32", "int4_asym_g16", "int4_asym_g128",
+                                     "int8_g32", "int8_pc")], ids=lambda s: s.name)
+def test_matmul_a8_rows_do_not_depend_on_batch_or_path(isa, scheme):
+    """A row's W*A8 result is the same bits whichever row block computes it:
+    alone (M = 1, vpdpbusd), in 8- and 4-row blocks, or in a 16-row AMX tile
+    (amx tier: rows [0, 32) here, the other 3 on the vpdpbusd path), and the
+    same on the avx512 and amx tiers — what batched == alone generation rests on.
+    The values themselves are checked against numpy in the test above."""
+    rng = np.random.default_rng(11)
+    M, N, K = 35, 48, 576 if scheme.name != "int8_pc" else 640
+    w = rng.normal(size=(N, K)).astype(np.float32)
+    x = (rng.normal(size=(M, K)) * 3).astype(np.float32)
+    pw = quantize_rtn("w", w, scheme)
+    got = _run_matmul(isa, 2, x, pw, a16=False)
+    alone = np.stack([_run_matmul(isa, 1, x[m : m + 1], pw, a16=False)[0] for m in range(M)])
+    np.testing.assert_array_equal(got, alone)
+    if isa != WIDE[0]:
+        np.testing.assert_array_equal(got, _run_matmul(WIDE[0], 2, x, pw, a16=False))

@@ -4,6 +4,8 @@
 
 #include <cpuid.h>
 #include <cstring>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 namespace lj {
 namespace {
@@ -40,9 +42,17 @@ CpuFeatures detect() {
     f.avx512bw = r[1] & (1u << 30);
     f.avx512vl = r[1] & (1u << 31);
     f.avx512vnni = r[2] & (1u << 11);
+    f.amx_tile = r[3] & (1u << 24);
+    f.amx_int8 = r[3] & (1u << 25);
     cpuid(7, 1, r);
     f.avxvnni = r[0] & (1u << 4);
     f.avx512bf16 = r[0] & (1u << 5);
+  }
+  // Linux hands out the 8 KiB tile state only on request (once per process,
+  // for every thread): without it the first tile instruction faults.
+  if (f.amx_tile && f.amx_int8 && osxsave && (xgetbv0() & 0x60000) == 0x60000) {
+    constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    f.os_amx = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
   }
   char brand[49] = {0};
   cpuid(0x80000000u, 0, r);
@@ -70,6 +80,7 @@ std::vector<std::string> supported_isas() {
   if (avx2) out.push_back("avx2");
   if (avx2 && f.os_avx512 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && f.avx512vnni)
     out.push_back("avx512");
+  if (out.back() == "avx512" && f.amx_tile && f.amx_int8 && f.os_amx) out.push_back("amx");
   return out;
 }
 

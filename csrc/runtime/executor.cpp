@@ -14,6 +14,7 @@ const KernelTable* kernel_table(const std::string& isa) {
   bool ok = false;
   for (const auto& s : supported_isas()) ok = ok || s == isa;
   if (!ok) throw std::invalid_argument("ISA '" + isa + "' is not supported by this CPU/OS");
+  if (isa == "amx") return kernels_amx();
   if (isa == "avx512") return kernels_avx512();
   if (isa == "avx2") return kernels_avx2();
   return kernels_ref();
@@ -174,7 +175,9 @@ int64_t op_scratch_floats(const Op& op, const ExecConfig& c) {
       const int64_t kpad = cmul((K + G - 1) / G, G);
       const int64_t inter = cadd(cmul(M, kpad) / 4 + 16, cmul(2 * M, kpad / G)) + 32;  // + scalars [M][ng][2]
       const int64_t qbytes = pro == PRO_PREQUANT ? 0 : cadd(cadd(cmul(M, kpad), 63) / 64 * 64, cmul(cmul(8, M), kpad / G)) + 64;
-      return cadd(cadd(cadd(keep, K + 16), inter), qbytes / 4 + 1) + 64;
+      // the amx tier: one tile's int4 codes as bytes [16][kpad] + two int32 tiles, 64-byte aligned
+      const int64_t amx = cmul(TILE, kpad) / 4 + 512 + 16;
+      return cadd(cadd(cadd(cadd(keep, K + 16), inter), qbytes / 4 + 1), amx) + 64;
     }
     case OP_ATTENTION: {  // kernels/attention_tiled.inc att_item: block pointers, scores, conversions
       const int64_t hd = op.i[2], bs = op.i[3], bsp = (bs + 15) / 16 * 16;

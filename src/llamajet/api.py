@@ -53,7 +53,7 @@ class LLM:
     path: HF folder or .gguf file; None = the default model (SmolLM2-135M-Instruct).
     max_model_len: context served (prompt + output); default min(model's, 4096).
     n_threads: compute threads (default: physical cores). isa: force a kernel
-    tier ("ref", "avx2", "avx512"); default: the best this CPU has.
+    tier ("ref", "avx2", "avx512", "amx"); default: the best this CPU has.
     kernels: "fast" (GGUF Q4_0/Q4_1/Q8_0 repacked losslessly, int8 activations),
     "a16" (same weights, float activations) or "reference" (weights as loaded,
     dequantized in fp32). quantize: a scheme name (quant/schemes.py) to

@@ -17,7 +17,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None,
                    help="HF folder or .gguf file (default: SmolLM2-135M-Instruct Q4_1, installed from PyPI)")
     p.add_argument("--threads", "-t", type=int, default=None, help="compute threads (default: physical cores)")
-    p.add_argument("--isa", default=None, help="force a kernel tier: scalar|avx2|avx512 (default: best)")
+    p.add_argument("--isa", default=None, help="force a kernel tier: scalar|avx2|avx512|amx (default: best)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length served")
 
 

@@ -1,7 +1,7 @@
 """Kernel-tier choice and thread count: decided once, here and only here.
 
 The tier is the best ISA the CPU and OS support (cpuid + XCR0, read by the
-C++ core). ``LLAMAJET_ISA=ref|avx2|avx512`` forces a lower tier so tests can
+C++ core). ``LLAMAJET_ISA=ref|avx2|avx512|amx`` forces a lower tier so tests can
 run every path this machine has; asking for a tier the CPU lacks is an error,
 not a silent fallback.
 """
@@ -14,9 +14,9 @@ from functools import lru_cache
 from llamajet import _core
 from llamajet.errors import LlamajetError
 
-ISA_ORDER = ("ref", "avx2", "avx512")
+ISA_ORDER = ("ref", "avx2", "avx512", "amx")
 # Accepted spellings of the override.
-_ALIASES = {"scalar": "ref", "ref": "ref", "avx2": "avx2", "avx512": "avx512", "avx-512": "avx512"}
+_ALIASES = {"scalar": "ref", "ref": "ref", "avx2": "avx2", "avx512": "avx512", "avx-512": "avx512", "amx": "amx"}
 
 
 def supported_isas() -> list[str]:
@@ -32,7 +32,7 @@ def resolve_isa(requested: str | None = None) -> str:
         return supported[-1]
     isa = _ALIASES.get(name.strip().lower())
     if isa is None:
-        raise LlamajetError(f"unknown ISA {name!r} (LLAMAJET_ISA): use one of scalar, avx2, avx512")
+        raise LlamajetError(f"unknown ISA {name!r} (LLAMAJET_ISA): use one of scalar, avx2, avx512, amx")
     if isa not in supported:
         raise LlamajetError(f"ISA {isa!r} requested but this CPU supports only {', '.join(supported)}")
     return isa
