@@ -196,7 +196,7 @@ def test_matmul_a8_rows_do_not_depend_on_batch_or_path(isa, scheme):
     same on the avx512 and amx tiers — what batched == alone generation rests on.
     The values themselves are checked against numpy in the test above."""
     rng = np.random.default_rng(11)
-    M, N, K = 35, 48, 576 if scheme.name != "int8_pc" else 640
+    M, N, K = 35, 48, 576
     w = rng.normal(size=(N, K)).astype(np.float32)
     x = (rng.normal(size=(M, K)) * 3).astype(np.float32)
     pw = quantize_rtn("w", w, scheme)

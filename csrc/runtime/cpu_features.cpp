@@ -80,7 +80,7 @@ std::vector<std::string> supported_isas() {
   if (avx2) out.push_back("avx2");
   if (avx2 && f.os_avx512 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && f.avx512vnni)
     out.push_back("avx512");
-  if (out.back() == "avx512" && f.amx_tile && f.amx_int8 && f.os_amx) out.push_back("amx");
+  if (out.back() == "avx512" && f.os_amx) out.push_back("amx");
   return out;
 }
 

@@ -10,7 +10,7 @@ struct CpuFeatures {
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
   bool avx512vnni = false, avx512bf16 = false, avxvnni = false;
   bool amx_tile = false, amx_int8 = false;
-  bool os_amx = false;  // XCR0 has the tile state and the kernel granted it to this process
+  bool os_amx = false;  // amx_tile + amx_int8, XCR0 has the tile state and Linux granted it to this process
   bool os_avx = false, os_avx512 = false;  // XCR0 says the OS saves the registers
   std::string brand;
 };
