@@ -110,6 +110,46 @@ def test_activation_quantization_is_the_documented_rule():
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("K,G", [(576, 32), (1536, 32), (96, 32), (100, 32), (576, 16), (576, 64)])
+def test_cpp_activation_quantization_equals_numpy_bit_for_bit(isa, K, G):
+    """The kernels' activation quantizer (here through add_rmsnorm's
+    quantize-on-write, the same quantize_row the matmuls' input stage runs)
+    against quantize_activations on the op's own normalized rows: codes,
+    scales and sums bit for bit. K = 576 / 1536 / 96 with groups of 32 take
+    the AVX-512 batched path (16 groups per batch, 576: a batch of 2 after
+    one of 16); K = 100 (not a multiple of G) and G = 16 / 64 the per-group loop."""
+    rng = np.random.default_rng(K + G)
+    M = 6
+    x = rng.normal(size=(M, K)).astype(np.float32) * np.float32(3.0)
+    x[1] = 0.0                        # all-zero row: codes 0, scale 0
+    x[2, :G] = 0.0                    # one all-zero group
+    x[3] *= np.float32(1e4)           # large values
+    x[4, G:2 * G] *= np.float32(1e-6)  # one tiny group next to normal ones
+    w = rng.uniform(0.5, 1.5, size=K).astype(np.float32)
+    kpad = -(-K // G) * G
+    ng = kpad // G
+    qbytes = -(-M * kpad // 64) * 64 + 8 * M * ng
+    ex = _exe(isa, 2, M)
+    xb, hb, qb = ex.alloc_buffer(4 * M * K), ex.alloc_buffer(4 * M * K), ex.alloc_buffer(qbytes)
+    ex.buffer(xb).view(np.float32)[:] = x.ravel()
+    ex.add_op(ops.OPS["add_rmsnorm"], ops.DTYPES["f32"], ops.ROWS_TOKENS, [K, G], [1e-5],
+              [(xb, 0), None, w, None, (hb, 0), None, (qb, 0), None])
+    z = np.zeros(M, np.int32)
+    ex.run(z, z, z, z, np.zeros((1, 1), np.int32), np.zeros(0, np.int32))
+    h = ex.buffer(hb).view(np.float32).reshape(M, K).copy()
+    raw = ex.buffer(qb)
+    qoff = -(-M * kpad // 64) * 64
+    q = raw[:M * kpad].view(np.int8).reshape(M, kpad)
+    dx = raw[qoff:qoff + 4 * M * ng].view(np.float32).reshape(M, ng)
+    sq = raw[qoff + 4 * M * ng:qoff + 8 * M * ng].view(np.int32).reshape(M, ng)
+    wq, wdx, wsq = quantize_activations(h, G, kpad)
+    np.testing.assert_array_equal(q, wq)
+    np.testing.assert_array_equal(dx.view(np.uint32), wdx.view(np.uint32))
+    np.testing.assert_array_equal(sq, wsq)
+    assert np.all(q[1] == 0) and np.all(dx[1] == 0)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("scheme", SCHEMES[::2], ids=lambda s: s.name)
 def test_packed_embedding_rows(isa, scheme):
     rng = np.random.default_rng(2)

@@ -73,6 +73,32 @@ inline VecF vmin(VecF a, VecF b) { return {_mm512_min_ps(a.v, b.v)}; }
 inline VecF vabs(VecF a) { return {_mm512_abs_ps(a.v)}; }
 inline float reduce_max(VecF a) { return _mm512_reduce_max_ps(a.v); }
 inline VecF vround(VecF a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+// Sixteen horizontal reductions at once: lane i of the result = max (or sum)
+// of the 16 lanes of v[i]. A transposing tree (two 128-bit-block and two
+// in-block shuffle levels, 15 pairs of shuffles) instead of 16 separate
+// reduce_* chains: a quarter of the instructions, none of them serial.
+// Max is order-free and the callers' sums are of integers below 2^24, so the
+// results equal the one-vector reductions bit for bit.
+#define LJ_VEC_REDUCE16 1
+template <bool SUM>
+inline VecF reduce16(const VecF* v) {
+  const auto op = [](__m512 a, __m512 b) { return SUM ? _mm512_add_ps(a, b) : _mm512_max_ps(a, b); };
+  __m512 w[8], u[4], s[2];
+  for (int i = 0; i < 8; ++i)  // blocks 0,1: v[2i]'s partials, blocks 2,3: v[2i+1]'s
+    w[i] = op(_mm512_shuffle_f32x4(v[2 * i].v, v[2 * i + 1].v, 0x44), _mm512_shuffle_f32x4(v[2 * i].v, v[2 * i + 1].v, 0xEE));
+  for (int i = 0; i < 4; ++i)  // block k: v[4i + k]'s four partials
+    u[i] = op(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88), _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // block k: two partials of v[8i + k], two of v[8i + 4 + k]
+    s[i] = op(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44), _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
+  // lane 4k + j: v[k + 4j]
+  const __m512 z = op(_mm512_shuffle_ps(s[0], s[1], 0x88), _mm512_shuffle_ps(s[0], s[1], 0xDD));
+  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return {_mm512_permutexvar_ps(idx, z)};
+}
+// a / b where b > 0, else 0
+inline VecF div_or_zero(VecF a, VecF b) {
+  return {_mm512_maskz_div_ps(_mm512_cmp_ps_mask(b.v, _mm512_setzero_ps(), _CMP_GT_OQ), a.v, b.v)};
+}
 // W lanes holding integers in [-128, 127] -> W int8
 inline void store_i8(int8_t* p, VecF a) { _mm_storeu_si128((__m128i*)p, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(a.v))); }
 // exp: same reduction and polynomial as the AVX2 tier (see vec/avx2.h);
