@@ -161,13 +161,18 @@ class Engine:
         st = self.stats
         st.steps += 1
         st.tokens += out.num_tokens
+        # Plain greedy rows (no penalty: the sampler's own rule is this argmax,
+        # first index on ties) in one numpy call instead of one per sequence.
+        plain = [s.logits and s.seq.sampler.params.greedy and s.seq.sampler.params.repetition_penalty == 1.0
+                 for s in out.scheduled if s.logits]
+        argmax = logits[:len(plain)].argmax(axis=1) if any(plain) else None
         touched, row = [], 0
         for s in out.scheduled:
             seq = s.seq
             seq.num_computed = s.start + s.num_tokens
             self.blocks.cache_blocks(seq)
             if s.logits:
-                self._append(seq, logits[row])
+                self._append(seq, logits[row], int(argmax[row]) if plain[row] else None)
                 row += 1
                 touched.append(seq)
         for seq in self.scheduler.running:  # KV use vs tokens held, after this step
@@ -175,9 +180,11 @@ class Engine:
             st.kv_tokens_held += seq.num_computed
         return touched
 
-    def _append(self, seq: Sequence, logits: np.ndarray) -> None:
-        """Samples seq's next token from its logits row; stops it if done."""
-        tok = seq.sampler(logits, seq.token_ids)
+    def _append(self, seq: Sequence, logits: np.ndarray, tok: int | None = None) -> None:
+        """Samples seq's next token from its logits row (tok: already chosen
+        greedily); stops it if done."""
+        if tok is None:
+            tok = seq.sampler(logits, seq.token_ids)
         now = time.perf_counter()
         if seq.first_token_time is None:
             seq.first_token_time = now
