@@ -3,31 +3,61 @@
 
 #include <immintrin.h>
 
+#include <chrono>
+
 namespace lj {
 namespace {
-// Spin iterations (pause) before a waiter sleeps on a futex. Between jobs:
-// ~1-3 ms, long enough to span the Python work between two decode steps.
-// Inside a job (barriers, the end-of-job wait): ~50-300 us, far longer than
-// any op's imbalance on an idle machine, short enough that a thread waiting
-// on a descheduled one gives its core away.
-constexpr int kSpinBeforeSleep = 20000;
-constexpr int kSpinBeforeYield = 2000;
+// How long a waiter spins (pause) before it sleeps on a futex, in time: a
+// pause takes ~140 cycles on some x86 cores and ~10 ns on this project's
+// machine, so the budgets counted in pauses they replace (20000 between jobs,
+// 2000 inside) came out at ~200 us / ~20 us there, and the worker slept
+// through the ~0.8 ms of Python between two 16-sequence decode steps, to be
+// woken by a futex at every step (6 alternating runs: median step 13.88 ->
+// 13.61 ms; noisy). Between jobs: long enough to span that Python work.
+// Inside a job (barriers, the end-of-job wait): far longer than any op's
+// imbalance on an idle machine, short enough that a thread waiting on a
+// descheduled one gives its core away.
+constexpr int64_t kSpinNsBetweenJobs = 3'000'000;
+constexpr int64_t kSpinNsInJob = 300'000;
 
-// Waits inside a job until ready(a's value): spins kSpinBeforeYield pauses,
-// then sleeps on a's futex, counted in `sleepers` so the releaser notifies
-// only when someone sleeps.
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// One wait: call spin() until it returns false (sleep now); it pauses once
+// and reads the clock every 64 pauses. The budget starts at the first call.
+class Spinner {
+ public:
+  explicit Spinner(int64_t budget_ns) : budget_(budget_ns) {}
+  bool spin() {
+    _mm_pause();
+    if (++n_ % 64) return true;
+    const int64_t t = now_ns();
+    if (until_ < 0) until_ = t + budget_;
+    return t < until_;
+  }
+  void restart() { n_ = 0, until_ = -1; }
+
+ private:
+  int64_t budget_, until_ = -1;
+  int n_ = 0;
+};
+
+// Waits inside a job until ready(a's value): spins up to kSpinNsInJob, then
+// sleeps on a's futex, counted in `sleepers` so the releaser notifies only
+// when someone sleeps.
 // NOTE: the sleeper count goes up before wait() re-checks a's value, so a
 // release between the two is seen by wait() (no lost wake-up).
 template <class T, class Ready>
 void spin_then_sleep(std::atomic<T>& a, std::atomic<int>& sleepers, Ready ready) {
-  int spins = 0;
+  Spinner sp(kSpinNsInJob);
   for (T v; !ready(v = a.load(std::memory_order_acquire));) {
-    if (++spins < kSpinBeforeYield) {
-      _mm_pause();
-    } else {
+    if (!sp.spin()) {
       sleepers.fetch_add(1, std::memory_order_seq_cst);
       a.wait(v, std::memory_order_seq_cst);
       sleepers.fetch_sub(1, std::memory_order_seq_cst);
+      sp.restart();
     }
   }
 }
@@ -76,13 +106,12 @@ void ThreadPool::barrier() {
 void ThreadPool::worker(int ith) {
   uint32_t seen = 0;
   for (;;) {
-    int spins = 0;
+    Spinner sp(kSpinNsBetweenJobs);
     uint32_t g;
     while ((g = job_gen_.load(std::memory_order_acquire)) == seen) {
-      if (++spins < kSpinBeforeSleep) {
-        _mm_pause();
-      } else {
+      if (!sp.spin()) {
         job_gen_.wait(seen, std::memory_order_acquire);  // futex sleep
+        sp.restart();
       }
     }
     seen = g;
