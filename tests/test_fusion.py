@@ -15,7 +15,7 @@ from llamajet.loaders import load_model
 from llamajet.model.llama import build_graph
 from llamajet.quant.convert import prepare_weights
 
-PASSES = ("qkv", "gate_up", "residual", "norm_head", "add_rmsnorm")
+PASSES = ("qkv", "gate_up", "residual", "norm_head", "add_rmsnorm", "attn_quant")
 
 
 def _step(r: ModelRunner, ids, start: int, all_rows: bool) -> np.ndarray:
@@ -100,9 +100,9 @@ def test_random_llama3_fused_matches_transformers_tolerance(tmp_path):
     for scheme in (None, "int4_asym_g32"):
         ref, _ = _prefill_decode(model, ids, fuse=False, scheme=scheme)
         got, r = _prefill_decode(model, ids, fuse=True, scheme=scheme)
-        # fp32 weights: the residual pass takes every add, and norms feeding fp32
-        # matmuls have nothing to quantize on write: add_rmsnorm has no match
-        want = set(PASSES) - ({"add_rmsnorm"} if scheme is None else set())
+        # fp32 weights: the residual pass takes every add, and norms and attention
+        # feeding fp32 matmuls have nothing to quantize on write
+        want = set(PASSES) - ({"add_rmsnorm", "attn_quant"} if scheme is None else set())
         assert {l.split(":")[0] for l in r.fusion_log} == want
         bound = 1e-5 if scheme is None else 1e-2  # int8 activation flips, as above
         assert np.abs(got - ref).max() <= bound * np.abs(ref).max(), scheme
@@ -206,6 +206,25 @@ def test_quantize_on_write_needs_int8_packed_readers(tiny):
     assert any("int8 g32" in l for l in fuse(g, only=("add_rmsnorm",)))
     g = _graph(tiny)  # float activations (W8A16): no int8 on write
     assert not any("int8" in l for l in fuse(g, FusionContext(act_int8=False), only=("add_rmsnorm",)))
+
+
+def test_attention_quantizes_on_write_only_for_whole_groups_of_int8_readers(tiny, smollm2):
+    g = _graph(smollm2, scheme=None)  # Q4_1 (g32), head_dim 64: the o-proj takes int8 rows
+    log = fuse(g, only=("attn_quant",))
+    assert len(log) == smollm2.config.num_layers and all("int8 g32" in l for l in log)
+    att = next(n for n in g.nodes if n.name == "blk.0.attn")
+    o = next(n for n in g.nodes if n.name == "blk.0.attn_output")
+    assert att.attrs["q_group"] == 32 and o.inputs[0] == att.outputs[1] == att.attrs["qout"]
+    assert o.attrs["prologue"] == "prequant"
+    g = _graph(smollm2, scheme=None)  # another reader of the attention output: no fusion there
+    _spy(g, "blk.2.attn.out")
+    log = fuse(g, only=("attn_quant",))
+    assert len(log) == smollm2.config.num_layers - 1 and not any("blk.2." in l for l in log)
+    g = _graph(smollm2, scheme=None)  # float activations (W4A16): nothing to quantize
+    assert fuse(g, FusionContext(act_int8=False), only=("attn_quant",)) == []
+    g = _graph(tiny)  # stories260K: head_dim 8 holds no whole group of 32
+    snap = _snapshot(g)
+    assert fuse(g, only=("attn_quant",)) == [] and _snapshot(g) == snap
 
 
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16"])

@@ -700,6 +700,14 @@ def test_attention_bad_config():
             p.add("attention", "f32", ROWS_TOKENS, ints, [0.3], [qo, None, kp, vp, out, None])
     with pytest.raises(ValueError, match="out of its buffer"):  # pools sized for kv_dim 8, not 16
         p.add("attention", "f32", ROWS_TOKENS, [2, 2, 8, 16], [0.3], [qo, None, kp, vp, out, None])
+    # quantize-on-write: a group of 8 dividing head_dim, and an int8 buffer iff a group
+    q8 = p.buf("q8", n=4 * 24)
+    with pytest.raises(ValueError, match="group"):  # 16 does not divide head_dim 8
+        p.add("attention", "f32", ROWS_TOKENS, [2, 1, 8, 16, 16], [0.3], [qo, None, kp, vp, out, None, q8, None])
+    with pytest.raises(ValueError, match="e0"):  # a group but no buffer
+        p.add("attention", "f32", ROWS_TOKENS, [2, 1, 8, 16, 8], [0.3], [qo, None, kp, vp, out, None, None, None])
+    with pytest.raises(ValueError, match="e0"):  # a buffer but no group
+        p.add("attention", "f32", ROWS_TOKENS, [2, 1, 8, 16], [0.3], [qo, None, kp, vp, out, None, q8, None])
     # Scratch smaller than the context needs: the executor grows it at add_op
     # (counted as an allocation), never inside a step.
     q = Prog(ISA0, 1, T=1, kv_slots=64, bs=16, B=4, P=64, scratch=63)

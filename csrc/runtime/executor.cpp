@@ -149,11 +149,14 @@ void operand_extents(const Op& op, const ExecConfig& c, int64_t ext[OP_OPERANDS]
                                                            : row_bytes(op.wtype, op.i[0]));
       break;
     }
-    case OP_ATTENTION:
-      ext[0] = ext[4] = cmul(cmul(T, cmul(op.i[0], op.i[2])), f);
+    case OP_ATTENTION: {
+      const int64_t n = cmul(op.i[0], op.i[2]), G = op.i[4];
+      ext[0] = ext[4] = cmul(cmul(T, n), f);
       ext[2] = ext[3] = cmul(c.kv_slots, op.wtype == KV_I8 ? cmul(op.i[1], op.i[2] + 4)
                                                            : row_bytes(op.wtype, cmul(op.i[1], op.i[2])));
+      if (G > 0) ext[6] = cadd(cadd(cmul(T, n), 63) / 64 * 64, cmul(cmul(8, T), n / G));  // int8 copy (G | head_dim)
       break;
+    }
     case OP_SWIGLU: case OP_ADD: ext[0] = ext[1] = ext[4] = cmul(cmul(M, op.i[0]), f); break;
     case OP_GATHER: ext[0] = cmul(cmul(T, op.i[0]), f); ext[4] = cmul(cmul(c.max_out, op.i[0]), f); break;
   }
@@ -246,6 +249,8 @@ void Executor::add_op(Op op, const Operand opnd[OP_OPERANDS]) {
     const int64_t group = op.i[0] / op.i[1];
     if (group > 64) throw std::invalid_argument("attention: more than 64 query heads per kv head");
     if (op.i[3] > 256) throw std::invalid_argument("attention: block size above 256");
+    if (op.i[4] && (op.i[4] % 8 != 0 || op.i[2] % op.i[4] != 0))
+      throw std::invalid_argument("attention: quantize-on-write group must be a multiple of 8 dividing head_dim");
   }
   if (op.kind == OP_ADD_RMSNORM && op.i[1] % 8 != 0)
     throw std::invalid_argument("add_rmsnorm: quantize-on-write group must be a multiple of 8");
@@ -255,7 +260,9 @@ void Executor::add_op(Op op, const Operand opnd[OP_OPERANDS]) {
   for (int k = 0; k < OP_OPERANDS; ++k) {
     const Operand& o = opnd[k];
     // add_rmsnorm's residual (x2 / out2), h (out) and int8 copy (e0) are optional
-    const bool optional = op.kind == OP_ADD_RMSNORM && (k == 1 || k == 4 || k == 5 || k == 6);
+    // (and attention's int8 copy, e0)
+    const bool optional = (op.kind == OP_ADD_RMSNORM && (k == 1 || k == 4 || k == 5 || k == 6)) ||
+                          (op.kind == OP_ATTENTION && k == 6);
     if (optional && o.buffer < 0 && o.ptr == nullptr) {
       ptrs[k] = nullptr;
       continue;
@@ -289,6 +296,8 @@ void Executor::add_op(Op op, const Operand opnd[OP_OPERANDS]) {
   if (op.kind == OP_ADD_RMSNORM && ((ptrs[1] == nullptr) != (ptrs[5] == nullptr) ||
                                     (ptrs[6] == nullptr) != (op.i[1] == 0)))
     throw std::invalid_argument("add_rmsnorm: x2 needs out2 (the residual), e0 needs a group and vice versa");
+  if (op.kind == OP_ATTENTION && (ptrs[6] == nullptr) != (op.i[4] == 0))
+    throw std::invalid_argument("attention: e0 (the int8 copy) needs a group and vice versa");
   // Scratch is sized from the Program, here, never inside a step.
   const int64_t need = op_scratch_floats(op, cfg_);
   if (need > cfg_.scratch_floats) {

@@ -139,8 +139,9 @@ def lower(graph: Graph, plan: MemoryPlan, exe, arena: int, kv: KVLayout, act_int
             L = at["layer"]
             kpool, vpool = (kv.buffer, kv.offset(L, 0)), (kv.buffer, kv.offset(L, 1))
             ops_args = dict(wtype=KV_DTYPES[kv.dtype], rows=ops.ROWS_TOKENS,
-                            ints=[at["heads"], at["kv_heads"], at["head_dim"], kv.block_size],
-                            floats=[at["scale"]], opnd=[a(x), None, kpool, vpool, a(out), None])
+                            ints=[at["heads"], at["kv_heads"], at["head_dim"], kv.block_size, at.get("q_group", 0)],
+                            floats=[at["scale"]],
+                            opnd=[a(x), None, kpool, vpool, a(out), None, a(at["qout"]) if "qout" in at else None, None])
         elif n.op in ("swiglu", "add"):
             dim = graph.tensors[out].shape[-1]
             ops_args = dict(wtype="f32", rows=_rows(graph, out), ints=[dim], floats=[],

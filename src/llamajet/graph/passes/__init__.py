@@ -6,9 +6,10 @@ leaves the graph unchanged where one fails:
     every input it reads is produced before that place;
   - an intermediate the fusion removes has no consumer outside the pattern;
   - same dtype / storage kind, compatible shapes (tile and head alignment).
-Order: qkv -> gate_up -> residual -> norm_head -> add_rmsnorm (the later ones
-match what the earlier ones leave: once o-proj absorbs its residual add there
-is no add left before the next norm, and that norm then quantizes on write).
+Order: qkv -> gate_up -> residual -> norm_head -> add_rmsnorm -> attn_quant
+(the later ones match what the earlier ones leave: once o-proj absorbs its
+residual add there is no add left before the next norm, and that norm then
+quantizes on write; attention quantizes on write for the o-proj).
 
 ``fuse(graph, ctx)`` runs them in order and returns the log of rewrites.
 """
@@ -30,11 +31,11 @@ class FusionContext:
 
 def fuse(graph: Graph, ctx: FusionContext | None = None, only: tuple[str, ...] | None = None) -> list[str]:
     """Runs the passes (or those named in `only`) in order; returns the log."""
-    from llamajet.graph.passes import add_rmsnorm, gate_up, norm_head, qkv, residual
+    from llamajet.graph.passes import add_rmsnorm, attn_quant, gate_up, norm_head, qkv, residual
 
     ctx = ctx or FusionContext()
     passes = [("qkv", qkv.run), ("gate_up", gate_up.run), ("residual", residual.run),
-              ("norm_head", norm_head.run), ("add_rmsnorm", add_rmsnorm.run)]
+              ("norm_head", norm_head.run), ("add_rmsnorm", add_rmsnorm.run), ("attn_quant", attn_quant.run)]
     log: list[str] = []
     for name, p in passes:
         if only is None or name in only:

@@ -17,7 +17,7 @@ from llamajet.graph.ir import Graph
 from llamajet.graph.passes._match import index, is_packed
 
 
-def _quant_readers(graph: Graph, h: str, ctx):
+def quant_readers(graph: Graph, h: str, ctx):
     """The group size if every reader of h can take it pre-quantized, else None."""
     readers = graph.consumers(h)
     if not ctx.act_int8 or not readers or h in graph.outputs:
@@ -41,7 +41,7 @@ def run(graph: Graph, ctx) -> list[str]:
         prod = graph.producers()
         add = prod.get(x)
         fuse_add = add is not None and add.op == "add" and graph.tensors[add.outputs[0]].shape == graph.tensors[h].shape
-        group = _quant_readers(graph, h, ctx)
+        group = quant_readers(graph, h, ctx)
         if not fuse_add and group is None:
             continue
         n_cols = graph.tensors[h].shape[-1]

@@ -1,0 +1,37 @@
+"""Attention + quantize on write: when every reader of an attention output is
+a W*A8 matmul with one group size dividing head_dim (the o projection), the
+attention kernel also writes each finished head row as int8 codes with
+scales, and the projection skips its own input stage: it no longer has every
+thread quantize all rows of the attention output, half of them written by the
+other core.
+
+Pattern: attention(q, kv) -> a, matmul(a, W) for every reader of a.
+Legality: the readers are packed matmuls with int8 activations, no prologue,
+one group G with head_dim % G == 0 and G % 8 == 0 (whole groups inside a head,
+so per-head quantization is the row's own); a stays written (the kernel's
+float output) but nobody reads it.
+"""
+
+from __future__ import annotations
+
+from llamajet.graph.ir import Graph
+from llamajet.graph.passes.add_rmsnorm import quant_readers
+
+
+def run(graph: Graph, ctx) -> list[str]:
+    log = []
+    for att in [n for n in graph.nodes if n.op == "attention"]:
+        a = att.outputs[0]
+        group = quant_readers(graph, a, ctx)
+        hd = att.attrs["head_dim"]
+        if group is None or hd % group or group % 8:
+            continue
+        n_cols = graph.tensors[a].shape[-1]
+        aq = graph.tensor(f"{att.name}.q8", (graph.tensors[a].shape[0], n_cols + 8 * (n_cols // group) + 64), "i8")
+        for r in graph.consumers(a):
+            r.inputs[0] = aq
+            r.attrs.update(prologue="prequant", qin=aq)
+        att.outputs.append(aq)
+        att.attrs.update(q_group=group, qout=aq)
+        log.append(f"attn_quant: {att.name}: int8 g{group} on write")
+    return log
