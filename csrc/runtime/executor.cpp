@@ -96,6 +96,14 @@ void check_shape(const Op& op) {
     throw std::invalid_argument("rope: head_dim must be even and the row stride >= heads * head_dim");
 }
 
+// Bytes of M rows of n values quantized in groups of G (kpad = n rounded up
+// to G): int8 codes padded to 64 bytes, then per group an fp32 scale and an
+// int32 sum (kernels/matmul.inc qact_layout / qact_bytes).
+int64_t qact_extent(int64_t M, int64_t n, int64_t G) {
+  const int64_t kpad = cmul((n + G - 1) / G, G);
+  return cadd(cadd(cmul(M, kpad), 63) / 64 * 64, cmul(cmul(8, M), kpad / G));
+}
+
 // Bytes each operand is read/written at most, for the largest step.
 // Order: x, x2, w, w2, out, out2.
 void operand_extents(const Op& op, const ExecConfig& c, int64_t ext[OP_OPERANDS]) {
@@ -115,10 +123,7 @@ void operand_extents(const Op& op, const ExecConfig& c, int64_t ext[OP_OPERANDS]
       ext[0] = pro == PRO_PREQUANT ? 0 : cmul(cmul(M, K), f);
       ext[4] = cmul(cmul(M, cols), f);
       ext[2] = is_packed(op.wtype) ? packed_bytes(op.wtype, N, K, op.i[2]) : cmul(N, row_bytes(op.wtype, K));
-      if (pro == PRO_PREQUANT) {
-        const int64_t G = op.i[2], kpad = cmul((K + G - 1) / G, G);
-        ext[6] = cadd(cadd(cmul(M, kpad), 63) / 64 * 64, cmul(cmul(8, M), kpad / G));
-      }
+      if (pro == PRO_PREQUANT) ext[6] = qact_extent(M, K, op.i[2]);
       if (pro == PRO_RMSNORM) ext[6] = cmul(K, f);
       if (epi == EPI_RESIDUAL) ext[7] = ext[4];
       if (epi == EPI_QKV) {
@@ -132,10 +137,7 @@ void operand_extents(const Op& op, const ExecConfig& c, int64_t ext[OP_OPERANDS]
       const int64_t n = op.i[0], G = op.i[1];
       ext[0] = ext[4] = ext[1] = ext[5] = cmul(cmul(M, n), f);
       ext[2] = cmul(n, f);
-      if (G > 0) {
-        const int64_t kpad = cmul((n + G - 1) / G, G);
-        ext[6] = cadd(cadd(cmul(M, kpad), 63) / 64 * 64, cmul(cmul(8, M), kpad / G));
-      }
+      if (G > 0) ext[6] = qact_extent(M, n, G);
       break;
     }
     case OP_ROPE:
@@ -154,7 +156,7 @@ void operand_extents(const Op& op, const ExecConfig& c, int64_t ext[OP_OPERANDS]
       ext[0] = ext[4] = cmul(cmul(T, n), f);
       ext[2] = ext[3] = cmul(c.kv_slots, op.wtype == KV_I8 ? cmul(op.i[1], op.i[2] + 4)
                                                            : row_bytes(op.wtype, cmul(op.i[1], op.i[2])));
-      if (G > 0) ext[6] = cadd(cadd(cmul(T, n), 63) / 64 * 64, cmul(cmul(8, T), n / G));  // int8 copy (G | head_dim)
+      if (G > 0) ext[6] = qact_extent(T, n, G);  // int8 copy (G | head_dim)
       break;
     }
     case OP_SWIGLU: case OP_ADD: ext[0] = ext[1] = ext[4] = cmul(cmul(M, op.i[0]), f); break;
@@ -177,7 +179,7 @@ int64_t op_scratch_floats(const Op& op, const ExecConfig& c) {
       // PREQUANT) the quantized rows (kernels/matmul.inc k_qmatmul_a8)
       const int64_t kpad = cmul((K + G - 1) / G, G);
       const int64_t inter = cadd(cmul(M, kpad) / 4 + 16, cmul(2 * M, kpad / G)) + 32;  // + scalars [M][ng][2]
-      const int64_t qbytes = pro == PRO_PREQUANT ? 0 : cadd(cadd(cmul(M, kpad), 63) / 64 * 64, cmul(cmul(8, M), kpad / G)) + 64;
+      const int64_t qbytes = pro == PRO_PREQUANT ? 0 : qact_extent(M, K, G) + 64;
       // the amx tier: one tile's int4 codes as bytes [16][kpad] + two int32 tiles, 64-byte aligned
       const int64_t amx = cmul(TILE, kpad) / 4 + 512 + 16;
       return cadd(cadd(cadd(cadd(keep, K + 16), inter), qbytes / 4 + 1), amx) + 64;
