@@ -35,6 +35,37 @@ def is_packed(w) -> bool:
     return isinstance(w, PackedWeight)
 
 
+def quant_readers(graph: Graph, t: str, ctx) -> int | None:
+    """The group size if every reader of t can take it pre-quantized (packed
+    matmuls with int8 activations, no prologue, one group, K = t's width),
+    else None."""
+    readers = graph.consumers(t)
+    if not ctx.act_int8 or not readers or t in graph.outputs:
+        return None
+    groups = set()
+    for r in readers:
+        if r.op != "matmul" or r.inputs[0] != t or r.attrs.get("prologue", "none") != "none":
+            return None
+        w = graph.weights[r.inputs[1]]
+        if not is_packed(w) or w.shape[1] != graph.tensors[t].shape[-1]:
+            return None
+        groups.add(w.group)
+    return groups.pop() if len(groups) == 1 else None
+
+
+def prequant_copy(graph: Graph, t: str, name: str, group: int) -> str:
+    """A new int8 tensor `name`.q8 holding t quantized in groups (the kernels'
+    qact layout: codes padded to kpad, scales, sums), and every reader of t
+    switched to read it with the prequant prologue. Returns its name."""
+    rows, n_cols = graph.tensors[t].shape[0], graph.tensors[t].shape[-1]
+    kpad = -(-n_cols // group) * group
+    tq = graph.tensor(f"{name}.q8", (rows, kpad + 8 * (kpad // group) + 64), "i8")
+    for r in graph.consumers(t):
+        r.inputs[0] = tq
+        r.attrs.update(prologue="prequant", qin=tq)
+    return tq
+
+
 def _row_view(w) -> np.ndarray:
     """Raw storage of a row-major weight as [N, row bytes] uint8."""
     return np.ascontiguousarray(w.data).view(np.uint8).reshape(w.shape[0], -1)

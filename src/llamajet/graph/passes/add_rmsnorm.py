@@ -14,23 +14,7 @@ nobody, is not written at all).
 from __future__ import annotations
 
 from llamajet.graph.ir import Graph
-from llamajet.graph.passes._match import index, is_packed
-
-
-def quant_readers(graph: Graph, h: str, ctx):
-    """The group size if every reader of h can take it pre-quantized, else None."""
-    readers = graph.consumers(h)
-    if not ctx.act_int8 or not readers or h in graph.outputs:
-        return None
-    groups = set()
-    for r in readers:
-        if r.op != "matmul" or r.inputs[0] != h or r.attrs.get("prologue", "none") != "none":
-            return None
-        w = graph.weights[r.inputs[1]]
-        if not is_packed(w) or w.shape[1] != graph.tensors[h].shape[-1]:
-            return None
-        groups.add(w.group)
-    return groups.pop() if len(groups) == 1 else None
+from llamajet.graph.passes._match import index, prequant_copy, quant_readers
 
 
 def run(graph: Graph, ctx) -> list[str]:
@@ -44,17 +28,11 @@ def run(graph: Graph, ctx) -> list[str]:
         group = quant_readers(graph, h, ctx)
         if not fuse_add and group is None:
             continue
-        n_cols = graph.tensors[h].shape[-1]
         inputs, outs = ([add.inputs[0], add.inputs[1], w] if fuse_add else [x, w]), {}
         name = norm.name
         pos = index(graph, add) if fuse_add else index(graph, norm)
         if group is not None:
-            kpad = -(-n_cols // group) * group
-            hq = graph.tensor(f"{name}.q8", (graph.tensors[h].shape[0], kpad + 8 * (kpad // group) + 64), "i8")
-            for r in graph.consumers(h):
-                r.inputs[0] = hq
-                r.attrs.update(prologue="prequant", qin=hq)
-            outs["q"] = hq
+            outs["q"] = prequant_copy(graph, h, name, group)
         if graph.consumers(h):
             outs["h"] = h
         else:

@@ -15,7 +15,7 @@ float output) but nobody reads it.
 from __future__ import annotations
 
 from llamajet.graph.ir import Graph
-from llamajet.graph.passes.add_rmsnorm import quant_readers
+from llamajet.graph.passes._match import prequant_copy, quant_readers
 
 
 def run(graph: Graph, ctx) -> list[str]:
@@ -26,11 +26,7 @@ def run(graph: Graph, ctx) -> list[str]:
         hd = att.attrs["head_dim"]
         if group is None or hd % group or group % 8:
             continue
-        n_cols = graph.tensors[a].shape[-1]
-        aq = graph.tensor(f"{att.name}.q8", (graph.tensors[a].shape[0], n_cols + 8 * (n_cols // group) + 64), "i8")
-        for r in graph.consumers(a):
-            r.inputs[0] = aq
-            r.attrs.update(prologue="prequant", qin=aq)
+        aq = prequant_copy(graph, a, att.name, group)
         att.outputs.append(aq)
         att.attrs.update(q_group=group, qout=aq)
         log.append(f"attn_quant: {att.name}: int8 g{group} on write")
