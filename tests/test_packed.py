@@ -115,9 +115,10 @@ def test_cpp_activation_quantization_equals_numpy_bit_for_bit(isa, K, G):
     """The kernels' activation quantizer (here through add_rmsnorm's
     quantize-on-write, the same quantize_row the matmuls' input stage runs)
     against quantize_activations on the op's own normalized rows: codes,
-    scales and sums bit for bit. K = 576 / 1536 / 96 with groups of 32 take
-    the AVX-512 batched path (16 groups per batch, 576: a batch of 2 after
-    one of 16); K = 100 (not a multiple of G) and G = 16 / 64 the per-group loop."""
+    scales and sums bit for bit. K = 576 / 1536 with groups of 32 take the
+    AVX-512 batched path (16 groups per batch, 576: a batch of 2 after one of
+    16); K = 96 (3 groups, below the batched path's 8), K = 100 (not a
+    multiple of G) and G = 16 / 64 the per-group loop."""
     rng = np.random.default_rng(K + G)
     M = 6
     x = rng.normal(size=(M, K)).astype(np.float32) * np.float32(3.0)

@@ -163,7 +163,7 @@ class Engine:
         st.tokens += out.num_tokens
         # Plain greedy rows (no penalty: the sampler's own rule is this argmax,
         # first index on ties) in one numpy call instead of one per sequence.
-        plain = [s.logits and s.seq.sampler.params.greedy and s.seq.sampler.params.repetition_penalty == 1.0
+        plain = [s.seq.sampler.params.greedy and s.seq.sampler.params.repetition_penalty == 1.0
                  for s in out.scheduled if s.logits]
         argmax = logits[:len(plain)].argmax(axis=1) if any(plain) else None
         touched, row = [], 0
