@@ -235,14 +235,17 @@ def test_matmul_a8_rows_do_not_depend_on_batch_or_path(isa, scheme):
     alone (M = 1, vpdpbusd), in 8- and 4-row blocks, or in a 16-row AMX tile
     (amx tier: rows [0, 32) here, the other 3 on the vpdpbusd path), and the
     same on the avx512 and amx tiers — what batched == alone generation rests on.
+    M = 19 is one AMX row block, whose int4 groups are unpacked one at a time
+    into a ring instead of the whole tile at once (K = 1536: 48 groups).
     The values themselves are checked against numpy in the test above."""
     rng = np.random.default_rng(11)
-    M, N, K = 35, 48, 576
-    w = rng.normal(size=(N, K)).astype(np.float32)
-    x = (rng.normal(size=(M, K)) * 3).astype(np.float32)
-    pw = quantize_rtn("w", w, scheme)
-    got = _run_matmul(isa, 2, x, pw, a16=False)
-    alone = np.stack([_run_matmul(isa, 1, x[m : m + 1], pw, a16=False)[0] for m in range(M)])
-    np.testing.assert_array_equal(got, alone)
-    if isa != WIDE[0]:
-        np.testing.assert_array_equal(got, _run_matmul(WIDE[0], 2, x, pw, a16=False))
+    N = 48
+    for M, K in ((35, 576), (19, 1536)):
+        w = rng.normal(size=(N, K)).astype(np.float32)
+        x = (rng.normal(size=(M, K)) * 3).astype(np.float32)
+        pw = quantize_rtn("w", w, scheme)
+        got = _run_matmul(isa, 2, x, pw, a16=False)
+        alone = np.stack([_run_matmul(isa, 1, x[m : m + 1], pw, a16=False)[0] for m in range(M)])
+        np.testing.assert_array_equal(got, alone)
+        if isa != WIDE[0]:
+            np.testing.assert_array_equal(got, _run_matmul(WIDE[0], 2, x, pw, a16=False))
