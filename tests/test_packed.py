@@ -100,6 +100,9 @@ def test_matmul_a16_matches_dequantized_reference(isa, scheme):
     bound = 2 * (K + 3) * 2.0**-24 * (np.abs(x) @ np.abs(dequantize(pw)).T)
     got = _run_matmul(isa, 2, x, pw, a16=True)
     assert np.all(np.abs(got - ref) <= bound)
+    # every row the same bits as computed alone (all rows share each dequantized group)
+    alone = np.stack([_run_matmul(isa, 1, x[m : m + 1], pw, a16=True)[0] for m in range(M)])
+    np.testing.assert_array_equal(got, alone)
 
 
 def test_activation_quantization_is_the_documented_rule():

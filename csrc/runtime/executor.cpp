@@ -174,7 +174,7 @@ int64_t op_scratch_floats(const Op& op, const ExecConfig& c) {
       const int64_t rows = pro == PRO_RMSNORM ? cmul(M, K) : 0;
       if (!is_packed(op.wtype)) return cadd(cadd(cmul(TILE, K), keep), rows) + 64;
       const int64_t G = op.i[2];
-      if (op.i[3]) return cadd(cadd(cmul(TILE, G), keep), rows) + 64;
+      if (op.i[3]) return cadd(cadd(cadd(cmul(TILE, G), keep), keep), rows) + 64;  // + row accumulators [M][16]
       // keep, one normalized row, the interleaved codes [M, kpad], then (not
       // PREQUANT) the quantized rows (kernels/matmul.inc k_qmatmul_a8)
       const int64_t kpad = cmul((K + G - 1) / G, G);
