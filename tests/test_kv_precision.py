@@ -160,6 +160,8 @@ def test_kv_write_stores_the_exact_conversion(dtype, isa, nth):
             got = p.rows(pool)
             if dtype in KT_TYPES and pool == kp:  # fp32 / fp16 K pools are stored as K^T blocks of 16 slots
                 got = ref.k_pool_rows(got.view(KT_TYPES[dtype]), kvh, hd, 16).view(np.uint8)
+            elif dtype == "int8" and pool == kp:  # so are int8 ones, each head's scales after its codes
+                got = ref.k_pool_rows_i8(got, kvh, hd, 16)
             want = encode(dtype, src, kvh)
             if dtype in ("f16", "bf16"):  # NaN: any NaN code will do (torch keeps the sign, we do not)
                 nan = np.isnan(src)
@@ -236,6 +238,8 @@ def test_attention_over_every_kv_type(dtype, isa, nth, H, KVH, hd, bs):
     qb, kb, vb = p.buf(np.concatenate([q, np.zeros((40 - T, H * hd), np.float32)])), p.buf(kin), p.buf(vin)
     if dtype in KT_TYPES:  # fp32 / fp16 K pools are stored as K^T blocks
         kpool = ref.k_pool_from_rows(kpool.view(KT_TYPES[dtype]), KVH, hd, bs).view(np.uint8)
+    elif dtype == "int8":  # int8: K^T codes, then the block's scales, per head
+        kpool = ref.k_pool_from_rows_i8(kpool, KVH, hd, bs)
     kp, vp = p.buf(kpool), p.buf(vpool)
     out = p.buf(nbytes=40 * H * hd * 4, fill=0xFF)
     p.add("kv_write", [kvd, KVH], [], [kb, vb, None, None, kp, vp])
@@ -255,6 +259,22 @@ def test_decoded_values_encode_to_themselves():
     for dtype in KV_TYPES:
         once = encode(dtype, x, 2)
         np.testing.assert_array_equal(encode(dtype, decode(dtype, once, 2, 8), 2), once, err_msg=dtype)
+
+
+def test_int8_k_pool_layout_helpers_invert_each_other():
+    """ref.k_pool_rows_i8 undoes ref.k_pool_from_rows_i8 (the kv_write test
+    checks the kernel's writes through the first, the attention test its reads
+    through the second), and a head's codes land as its [hd][bs] K^T tile."""
+    g = rng("i8-layout")
+    kvh, hd, bs, n = 3, 8, 4, 12
+    rows = encode("int8", (g.standard_normal((n, kvh * hd)) * 2).astype(np.float32), kvh)
+    pool = ref.k_pool_from_rows_i8(rows, kvh, hd, bs)
+    np.testing.assert_array_equal(ref.k_pool_rows_i8(pool, kvh, hd, bs), rows)
+    rec = rows.reshape(n, kvh, hd + 4)
+    b, h, j, d = 2, 1, 3, 5  # slot 11: block 2, offset 3
+    region = pool.reshape(-1)[(b * kvh + h) * bs * (hd + 4):][: bs * (hd + 4)]
+    assert region[d * bs + j] == rec[b * bs + j, h, 4 + d]
+    np.testing.assert_array_equal(region[hd * bs + 4 * j: hd * bs + 4 * j + 4], rec[b * bs + j, h, :4])
 
 
 def test_bad_kv_configs_are_refused():

@@ -190,7 +190,7 @@ int64_t op_scratch_floats(const Op& op, const ExecConfig& c) {
       const int64_t scores = cmul(4, keys + 32);  // ATT_RB rows of ldS (<= keys + 2W)
       // converted K^T blocks + V rows (not for an fp32 pool with bs % W == 0; sized for the widest W)
       const int64_t conv = cadd(cmul(cmul(nblk, hd), bsp), cmul(keys, hd)) + hd;
-      return cadd(cadd(cmul(4, nblk), scores), conv) + 64;
+      return cadd(cadd(cmul(6, nblk), scores), conv) + 64;  // 3 pointers per block
     }
     case OP_ADD_RMSNORM: return op.i[0] + 64;
     default: return 0;

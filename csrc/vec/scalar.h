@@ -53,6 +53,7 @@ inline VecI iadd(VecI a, VecI b) { return {a.v + b.v}; }
 inline VecI isub(VecI a, int32_t b) { return {a.v - b}; }
 inline VecF cvt(VecI a) { return {(float)a.v}; }
 inline VecF load_h(const uint16_t* p) { return {lj::f16_to_f32(*p)}; }
+inline VecF load_i8(const int8_t* p) { return {(float)*p}; }
 
 // ---- math
 inline VecF vmax(VecF a, VecF b) { return {a.v > b.v ? a.v : b.v}; }

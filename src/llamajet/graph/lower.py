@@ -26,7 +26,10 @@ class KVLayout:
     Layout: [layer][K|V][slot][row]; a slot is block * block_size + offset
     within the block, a row is kv_heads heads of head_dim values in `dtype`
     (int8: per head an fp32 scale, then head_dim int8 codes; see
-    csrc/kernels/attention.inc). Each pool starts 64-byte aligned."""
+    csrc/kernels/attention.inc). K pools of fp32, fp16 and int8 hold each
+    block transposed (per kv head a [head_dim][block_size] tile; int8: then
+    the tile's scales), in the same bytes per block. Each pool starts 64-byte
+    aligned."""
 
     buffer: int
     num_slots: int

@@ -102,6 +102,27 @@ def k_pool_rows(pool: np.ndarray, kv_heads: int, hd: int, block_size: int) -> np
     return pool.reshape(n // block_size, kv_heads, hd, block_size).transpose(0, 3, 1, 2).reshape(n, kvd)
 
 
+def k_pool_from_rows_i8(rows: np.ndarray, kv_heads: int, hd: int, block_size: int) -> np.ndarray:
+    """An int8 K pool's storage (uint8 [slots, kv_heads*(hd+4)]) from its rows of
+    per-head records (fp32 scale, hd codes): each block holds, per kv head, the
+    [hd][block_size] tile of codes, then the block_size scales
+    (csrc/kernels/attention.inc). Same shape and size as `rows`."""
+    n = rows.shape[0]
+    r = np.ascontiguousarray(rows).reshape(n // block_size, block_size, kv_heads, hd + 4)
+    codes = r[..., 4:].transpose(0, 2, 3, 1).reshape(n // block_size, kv_heads, hd * block_size)
+    scales = r[..., :4].transpose(0, 2, 1, 3).reshape(n // block_size, kv_heads, 4 * block_size)
+    return np.ascontiguousarray(np.concatenate([codes, scales], axis=-1).reshape(rows.shape))
+
+
+def k_pool_rows_i8(pool: np.ndarray, kv_heads: int, hd: int, block_size: int) -> np.ndarray:
+    """Inverse of k_pool_from_rows_i8: the per-head records of every slot."""
+    n = pool.shape[0]
+    p = np.ascontiguousarray(pool).reshape(n // block_size, kv_heads, (hd + 4) * block_size)
+    codes = p[..., : hd * block_size].reshape(-1, kv_heads, hd, block_size).transpose(0, 3, 1, 2)
+    scales = p[..., hd * block_size :].reshape(-1, kv_heads, block_size, 4).transpose(0, 2, 1, 3)
+    return np.ascontiguousarray(np.concatenate([scales, codes], axis=-1).reshape(pool.shape))
+
+
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions, heads: int, kv_heads: int,
               hd: int, scale: float) -> np.ndarray:
     """Causal GQA for one sequence. q [T, heads*hd] at `positions`; k, v [L, kv_heads*hd]
