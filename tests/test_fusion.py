@@ -132,7 +132,7 @@ def tiny(stories_hf):
 
 
 @pytest.mark.parametrize("tensor,pass_name", [
-    ("blk.0.attn_q.out", "qkv"), ("blk.0.attn_k.out", "qkv"), ("blk.0.rope_k.out", "qkv"),
+    ("blk.0.attn_q.out", "qkv"), ("blk.0.attn_k.out", "qkv"),
     ("blk.0.attn_output.out", "residual"), ("output_norm.out", "norm_head"),
 ])
 def test_intermediate_with_another_consumer_refuses(tiny, tensor, pass_name):
@@ -161,11 +161,20 @@ def test_gate_up_refuses_partial_tiles_and_other_consumers(tiny, smollm2):
     assert len(log) == smollm2.config.num_layers - 1 and not any("blk.3." in l for l in log)
 
 
-def test_qkv_refuses_an_int8_or_bf16_kv_cache_and_partial_tiles(tiny):
-    for kv in ("int8", "bf16"):  # the epilogue stores f32 or f16 only
+def test_qkv_keeps_k_rot_and_v_for_their_readers(tiny):
+    """The fused matmul produces k_rot and v (the kv_write, and any other
+    reader, keep reading them), whatever the KV cache type."""
+    for kv in ("f32", "f16", "bf16", "int8"):
         g = _graph(tiny)
-        snap = _snapshot(g)
-        assert fuse(g, FusionContext(kv_dtype=kv), only=("qkv",)) == [] and _snapshot(g) == snap
+        _spy(g, "blk.0.rope_k.out")
+        assert len(fuse(g, FusionContext(kv_dtype=kv), only=("qkv",))) == tiny.config.num_layers
+        fused = g.producers()["blk.0.rope_k.out"]
+        assert fused.name == "blk.0.attn_qkv" and fused.outputs[1:] == ["blk.0.rope_k.out", "blk.0.attn_v.out"]
+        assert [n.op for n in g.consumers("blk.0.attn_v.out")] == ["kv_write"]
+        assert sorted(n.op for n in g.consumers("blk.0.rope_k.out")) == ["add", "kv_write"]
+
+
+def test_qkv_refuses_partial_tiles(tiny):
     g = _graph(tiny)
     w = g.weights["blk.0.attn_k"]
     g.weights["blk.0.attn_k"] = copy.copy(w)
@@ -227,12 +236,12 @@ def test_attention_quantizes_on_write_only_for_whole_groups_of_int8_readers(tiny
     assert fuse(g, only=("attn_quant",)) == [] and _snapshot(g) == snap
 
 
-@pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16", "bf16", "int8"])
 @pytest.mark.parametrize("isa", __import__("llamajet.ops", fromlist=["x"]).supported_isas())
 def test_fused_equals_unfused_on_every_isa(smollm2, isa, kv_dtype):
     """Each tier compiles the fused epilogues from the same source as the
-    unfused kernels (same vector exp, no fp contraction; the QKV epilogue
-    stores fp16 K/V with kv_write's rounding): bit-identical."""
+    unfused kernels (same vector exp, no fp contraction; the QKV epilogue's
+    RoPE is rope's arithmetic): bit-identical, for every KV cache type."""
     ids = list(np.random.default_rng(5).integers(0, smollm2.config.vocab_size, 10))
     ref, _ = _prefill_decode(smollm2, ids, fuse=False, isa=isa, kv_dtype=kv_dtype)
     got, r = _prefill_decode(smollm2, ids, fuse=True, isa=isa, kv_dtype=kv_dtype)

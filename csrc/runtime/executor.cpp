@@ -128,8 +128,7 @@ void operand_extents(const Op& op, const ExecConfig& c, int64_t ext[OP_OPERANDS]
       if (epi == EPI_RESIDUAL) ext[7] = ext[4];
       if (epi == EPI_QKV) {
         ext[1] = ext[3] = cmul(cmul(c.max_pos, op.i[8] / 2), f);  // sin, cos tables
-        ext[5] = cmul(cmul(c.kv_slots, op.i[7]), op.i[9] == F16 ? 2 : f);  // K pool (f32 / f16)
-        ext[7] = ext[5];                                           // V pool
+        ext[5] = ext[7] = cmul(cmul(M, op.i[7]), f);              // k_rot, v rows
       }
       break;
     }
@@ -230,8 +229,6 @@ void Executor::add_op(Op op, const Operand opnd[OP_OPERANDS]) {
       if (nq <= 0 || nk <= 0 || hd <= 0 || hd % 2 || nq % TILE || nk % TILE || nq % hd || nk % hd ||
           cadd(nq, cmul(2, nk)) != N)
         throw std::invalid_argument("matmul: qkv epilogue needs N = q + 2 kv columns, 16-aligned, whole heads");
-      if (op.i[9] != F32 && op.i[9] != F16) throw std::invalid_argument("matmul: qkv epilogue writes f32 or f16 KV only");
-      op.i[10] = cfg_.block_size;  // the K pool's K^T block geometry (kernels/attention.inc)
     }
   }
   if (op.kind == OP_KV_WRITE || op.kind == OP_ATTENTION) {  // KV storage types

@@ -106,8 +106,7 @@ def lower(graph: Graph, plan: MemoryPlan, exe, arena: int, kv: KVLayout, act_int
             epi, pro = at.get("epilogue", "store"), at.get("prologue", "none")
             packed = hasattr(w, "group")
             ints = [N, K, w.group if packed else 0, int(packed and not act_int8), _EPI[epi], _PRO[pro],
-                    at.get("nq", 0), at.get("nk", 0), at.get("head_dim", 0),
-                    KV_DTYPES[kv.dtype] if epi == "qkv" else 0]  # the KV storage the epilogue writes
+                    at.get("nq", 0), at.get("nk", 0), at.get("head_dim", 0)]
             opnd = [None if pro == "prequant" else a(x), None, w.data, None, a(out), None, None, None]
             floats = []
             if pro == "prequant":
@@ -116,10 +115,9 @@ def lower(graph: Graph, plan: MemoryPlan, exe, arena: int, kv: KVLayout, act_int
                 opnd[6], floats = wt(at["norm_w"]), [at["eps"]]
             if epi == "residual":
                 opnd[7] = a(at["res"])
-            elif epi == "qkv":
-                L = at["layer"]
+            elif epi == "qkv":  # outputs q_rot, k_rot, v
                 opnd[1], opnd[3] = wt(at["sin"]), wt(at["cos"])
-                opnd[5], opnd[7] = (kv.buffer, kv.offset(L, 0)), (kv.buffer, kv.offset(L, 1))
+                opnd[5], opnd[7] = a(n.outputs[1]), a(n.outputs[2])
             ops_args = dict(wtype=w.dtype, rows=_rows(graph, out), ints=ints, floats=floats, opnd=opnd)
         elif n.op == "add_rmsnorm":
             outs = at["outs"]
