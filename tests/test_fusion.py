@@ -15,7 +15,7 @@ from llamajet.loaders import load_model
 from llamajet.model.llama import build_graph
 from llamajet.quant.convert import prepare_weights
 
-PASSES = ("qkv", "gate_up", "residual", "norm_head", "add_rmsnorm", "attn_quant")
+PASSES = ("qkv", "gate_up", "residual", "norm_head", "add_rmsnorm", "attn_quant", "ffn_quant")
 
 
 def _step(r: ModelRunner, ids, start: int, all_rows: bool) -> np.ndarray:
@@ -102,7 +102,7 @@ def test_random_llama3_fused_matches_transformers_tolerance(tmp_path):
         got, r = _prefill_decode(model, ids, fuse=True, scheme=scheme)
         # fp32 weights: the residual pass takes every add, and norms and attention
         # feeding fp32 matmuls have nothing to quantize on write
-        want = set(PASSES) - ({"add_rmsnorm", "attn_quant"} if scheme is None else set())
+        want = set(PASSES) - ({"add_rmsnorm", "attn_quant", "ffn_quant"} if scheme is None else set())
         assert {l.split(":")[0] for l in r.fusion_log} == want
         bound = 1e-5 if scheme is None else 1e-2  # int8 activation flips, as above
         assert np.abs(got - ref).max() <= bound * np.abs(ref).max(), scheme
@@ -215,6 +215,25 @@ def test_quantize_on_write_needs_int8_packed_readers(tiny):
     assert any("int8 g32" in l for l in fuse(g, only=("add_rmsnorm",)))
     g = _graph(tiny)  # float activations (W8A16): no int8 on write
     assert not any("int8" in l for l in fuse(g, FusionContext(act_int8=False), only=("add_rmsnorm",)))
+
+
+def test_ffn_quant_feeds_the_down_projection_only_for_int8_packed_readers(tiny, smollm2):
+    g = _graph(smollm2, scheme=None)  # Q4_1 (g32): after gate/up, a quantize op for ffn_down
+    log = fuse(g, only=("gate_up", "ffn_quant"))
+    assert sum(l.startswith("ffn_quant") for l in log) == smollm2.config.num_layers
+    q = next(n for n in g.nodes if n.name == "blk.0.ffn_gate_up.quantize")
+    down = next(n for n in g.nodes if n.name == "blk.0.ffn_down")
+    names = [n.name for n in g.nodes]
+    assert names.index("blk.0.ffn_gate_up") + 1 == names.index(q.name) < names.index(down.name)
+    assert down.inputs[0] == q.outputs[0] == down.attrs["qin"] and down.attrs["prologue"] == "prequant"
+    assert q.attrs["group"] == 32 and q.inputs[0] == g.producers()[q.inputs[0]].outputs[0]
+    g = _graph(smollm2, scheme=None)  # another reader of the SwiGLU output: nothing there
+    _spy(g, "blk.2.ffn_swiglu.out")
+    log = fuse(g, only=("ffn_quant",))
+    assert len(log) == smollm2.config.num_layers - 1 and not any("blk.2." in l for l in log)
+    for graph, ctx in ((_graph(tiny, scheme=None), None), (_graph(smollm2, scheme=None), FusionContext(act_int8=False))):
+        snap = _snapshot(graph)  # fp32 weights, or float activations: nothing to quantize
+        assert fuse(graph, ctx, only=("ffn_quant",)) == [] and _snapshot(graph) == snap
 
 
 def test_attention_quantizes_on_write_only_for_whole_groups_of_int8_readers(tiny, smollm2):

@@ -121,7 +121,8 @@ def test_cpp_activation_quantization_equals_numpy_bit_for_bit(isa, K, G):
     scales and sums bit for bit. K = 576 / 1536 with groups of 32 take the
     AVX-512 batched path (16 groups per batch, 576: a batch of 2 after one of
     16); K = 96 (3 groups, below the batched path's 8), K = 100 (not a
-    multiple of G) and G = 16 / 64 the per-group loop."""
+    multiple of G) and G = 16 / 64 the per-group loop. Then the quantize op
+    (each thread a contiguous share of the groups) on x: the same bits."""
     rng = np.random.default_rng(K + G)
     M = 6
     x = rng.normal(size=(M, K)).astype(np.float32) * np.float32(3.0)
@@ -151,6 +152,20 @@ def test_cpp_activation_quantization_equals_numpy_bit_for_bit(isa, K, G):
     np.testing.assert_array_equal(dx.view(np.uint32), wdx.view(np.uint32))
     np.testing.assert_array_equal(sq, wsq)
     assert np.all(q[1] == 0) and np.all(dx[1] == 0)
+    # the quantize op (ffn_quant) on x itself, its groups split over 1-3 threads
+    wq, wdx, wsq = quantize_activations(x, G, kpad)
+    for nth in (1, 2, 3):
+        ex = _exe(isa, nth, M)
+        xb, qb = ex.alloc_buffer(4 * M * K), ex.alloc_buffer(qbytes)
+        ex.buffer(xb).view(np.float32)[:] = x.ravel()
+        ex.buffer(qb)[:] = 0xA5
+        ex.add_op(ops.OPS["quantize"], ops.DTYPES["f32"], ops.ROWS_TOKENS, [K, G], [],
+                  [(xb, 0), None, None, None, None, None, (qb, 0), None])
+        ex.run(z, z, z, z, np.zeros((1, 1), np.int32), np.zeros(0, np.int32))
+        raw = ex.buffer(qb)
+        np.testing.assert_array_equal(raw[:M * kpad].view(np.int8).reshape(M, kpad), wq)
+        np.testing.assert_array_equal(raw[qoff:qoff + 4 * M * ng].view(np.uint32).reshape(M, ng), wdx.view(np.uint32))
+        np.testing.assert_array_equal(raw[qoff + 4 * M * ng:qoff + 8 * M * ng].view(np.int32).reshape(M, ng), wsq)
 
 
 @pytest.mark.parametrize("isa", ISAS)

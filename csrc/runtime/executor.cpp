@@ -66,7 +66,7 @@ int64_t Executor::buffer_size(int id) const {
 namespace {
 
 const char* kOpNames[OP_COUNT] = {"embed", "rmsnorm", "matmul", "rope", "kv_write",
-                                  "attention", "swiglu", "add", "gather", "add_rmsnorm"};
+                                  "attention", "swiglu", "add", "gather", "add_rmsnorm", "quantize"};
 
 // Matmul epilogues / prologues (kernels/matmul.inc).
 constexpr int EPI_STORE = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2, EPI_QKV = 3;
@@ -88,7 +88,8 @@ int64_t cadd(int64_t a, int64_t b) {
 void check_shape(const Op& op) {
   static const int need[OP_COUNT][4] = {
       {0, -1, -1, -1}, {0, -1, -1, -1}, {0, 1, -1, -1}, {0, 1, 3, -1}, {0, -1, -1, -1},
-      {0, 1, 2, 3},    {0, -1, -1, -1}, {0, -1, -1, -1}, {0, -1, -1, -1}, {0, -1, -1, -1}};
+      {0, 1, 2, 3},    {0, -1, -1, -1}, {0, -1, -1, -1}, {0, -1, -1, -1}, {0, -1, -1, -1},
+      {0, 1, -1, -1}};
   for (int k : need[op.kind])
     if (k >= 0 && op.i[k] <= 0)
       throw std::invalid_argument(std::string(kOpNames[op.kind]) + ": size " + std::to_string(k) + " must be > 0");
@@ -132,6 +133,10 @@ void operand_extents(const Op& op, const ExecConfig& c, int64_t ext[OP_OPERANDS]
       }
       break;
     }
+    case OP_QUANTIZE:
+      ext[0] = cmul(cmul(M, op.i[0]), f);
+      ext[6] = qact_extent(M, op.i[0], op.i[1]);
+      break;
     case OP_ADD_RMSNORM: {
       const int64_t n = op.i[0], G = op.i[1];
       ext[0] = ext[4] = ext[1] = ext[5] = cmul(cmul(M, n), f);
@@ -253,6 +258,8 @@ void Executor::add_op(Op op, const Operand opnd[OP_OPERANDS]) {
   }
   if (op.kind == OP_ADD_RMSNORM && op.i[1] % 8 != 0)
     throw std::invalid_argument("add_rmsnorm: quantize-on-write group must be a multiple of 8");
+  if (op.kind == OP_QUANTIZE && (op.i[1] % 8 != 0 || op.i[1] > (int64_t)1 << 20))
+    throw std::invalid_argument("quantize: group must be a positive multiple of 8");
   int64_t ext[OP_OPERANDS];
   operand_extents(op, cfg_, ext);
   void* ptrs[OP_OPERANDS];

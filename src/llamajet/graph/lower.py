@@ -127,6 +127,9 @@ def lower(graph: Graph, plan: MemoryPlan, exe, arena: int, kv: KVLayout, act_int
                     a(outs["q"]) if "q" in outs else None, None]
             ops_args = dict(wtype="f32", rows=_rows(graph, x), ints=[n_cols, at["group"]],
                             floats=[at["eps"]], opnd=opnd)
+        elif n.op == "quantize":
+            ops_args = dict(wtype="f32", rows=_rows(graph, x), ints=[graph.tensors[x].shape[-1], at["group"]],
+                            floats=[], opnd=[a(x), None, None, None, None, None, a(out), None])
         elif n.op == "rope":
             H, hd = at["heads"], at["head_dim"]
             ops_args = dict(wtype="f32", rows=ops.ROWS_TOKENS, ints=[H, hd, int(at["interleaved"]), H * hd],

@@ -33,6 +33,7 @@ OPS = {
     "add": 7,
     "gather": 8,
     "add_rmsnorm": 9,
+    "quantize": 10,
 }
 
 # Leading-dimension codes resolved per step by the executor.

@@ -7,9 +7,10 @@ leaves the graph unchanged where one fails:
   - an intermediate the fusion removes has no consumer outside the pattern;
   - same dtype / storage kind, compatible shapes (tile and head alignment).
 Order: qkv -> gate_up -> residual -> norm_head -> add_rmsnorm -> attn_quant
-(the later ones match what the earlier ones leave: once o-proj absorbs its
-residual add there is no add left before the next norm, and that norm then
-quantizes on write; attention quantizes on write for the o-proj).
+-> ffn_quant (the later ones match what the earlier ones leave: once o-proj
+absorbs its residual add there is no add left before the next norm, and that
+norm then quantizes on write; attention quantizes on write for the o-proj;
+a quantize op after gate/up + SwiGLU feeds the down projection).
 
 ``fuse(graph, ctx)`` runs them in order and returns the log of rewrites.
 """
@@ -26,16 +27,17 @@ class FusionContext:
     """What the passes must know about how the graph will run."""
 
     act_int8: bool = True   # packed matmuls take int8 activations (W*A8)
-    kv_dtype: str = "f32"   # the KV-cache storage type (the QKV epilogue writes f32 or f16 only)
+    kv_dtype: str = "f32"   # the KV-cache storage type
 
 
 def fuse(graph: Graph, ctx: FusionContext | None = None, only: tuple[str, ...] | None = None) -> list[str]:
     """Runs the passes (or those named in `only`) in order; returns the log."""
-    from llamajet.graph.passes import add_rmsnorm, attn_quant, gate_up, norm_head, qkv, residual
+    from llamajet.graph.passes import add_rmsnorm, attn_quant, ffn_quant, gate_up, norm_head, qkv, residual
 
     ctx = ctx or FusionContext()
     passes = [("qkv", qkv.run), ("gate_up", gate_up.run), ("residual", residual.run),
-              ("norm_head", norm_head.run), ("add_rmsnorm", add_rmsnorm.run), ("attn_quant", attn_quant.run)]
+              ("norm_head", norm_head.run), ("add_rmsnorm", add_rmsnorm.run), ("attn_quant", attn_quant.run),
+              ("ffn_quant", ffn_quant.run)]
     log: list[str] = []
     for name, p in passes:
         if only is None or name in only:
