@@ -163,15 +163,15 @@ def test_gate_up_refuses_partial_tiles_and_other_consumers(tiny, smollm2):
 
 def test_qkv_keeps_k_rot_and_v_for_their_readers(tiny):
     """The fused matmul produces k_rot and v (the kv_write, and any other
-    reader, keep reading them), whatever the KV cache type."""
-    for kv in ("f32", "f16", "bf16", "int8"):
-        g = _graph(tiny)
-        _spy(g, "blk.0.rope_k.out")
-        assert len(fuse(g, FusionContext(kv_dtype=kv), only=("qkv",))) == tiny.config.num_layers
-        fused = g.producers()["blk.0.rope_k.out"]
-        assert fused.name == "blk.0.attn_qkv" and fused.outputs[1:] == ["blk.0.rope_k.out", "blk.0.attn_v.out"]
-        assert [n.op for n in g.consumers("blk.0.attn_v.out")] == ["kv_write"]
-        assert sorted(n.op for n in g.consumers("blk.0.rope_k.out")) == ["add", "kv_write"]
+    reader, keep reading them): the pass does not depend on the KV cache type
+    (test_fused_equals_unfused_on_every_isa runs it with each)."""
+    g = _graph(tiny)
+    _spy(g, "blk.0.rope_k.out")
+    assert len(fuse(g, only=("qkv",))) == tiny.config.num_layers
+    fused = g.producers()["blk.0.rope_k.out"]
+    assert fused.name == "blk.0.attn_qkv" and fused.outputs[1:] == ["blk.0.rope_k.out", "blk.0.attn_v.out"]
+    assert [n.op for n in g.consumers("blk.0.attn_v.out")] == ["kv_write"]
+    assert sorted(n.op for n in g.consumers("blk.0.rope_k.out")) == ["add", "kv_write"]
 
 
 def test_qkv_refuses_partial_tiles(tiny):

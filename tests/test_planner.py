@@ -247,7 +247,7 @@ def _smollm2_plan(parts, T: int, fused: bool):
     cfg, weights = parts
     g = build_graph(cfg, weights, 4096)
     if fused:
-        fuse(g, FusionContext(act_int8=True, kv_dtype="f32"))
+        fuse(g, FusionContext(act_int8=True))
     return g, plan_memory(g, {"T": T, "O": 1})
 
 

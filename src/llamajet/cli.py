@@ -162,7 +162,7 @@ def cmd_graph(a) -> int:
           f"kernels {a.kernels}")
     if not a.no_fuse:  # the graph before the passes in one line, the listing after them
         print(f"before passes: {summary(graph, plan_memory(graph, symbols))}")
-        log = fuse(graph, FusionContext(act_int8=a.kernels == "fast", kv_dtype=a.kv_dtype))  # as ModelRunner
+        log = fuse(graph, FusionContext(act_int8=a.kernels == "fast"))  # as ModelRunner
         print("passes:" + "".join(f"\n  {line}" for line in log) if log else "passes: no rewrites")
     plan = plan_memory(graph, symbols)
     if not a.no_fuse:

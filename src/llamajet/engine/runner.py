@@ -69,7 +69,7 @@ class ModelRunner:
         self.weights = prepare_weights(model.weights, kernels, scheme)
         self.graph = build_graph(cfg, self.weights, max_model_len)
         # Fusion passes (graph/passes): fused weights are stacked once, here.
-        self.fusion_log = (fuse_graph(self.graph, FusionContext(act_int8=kernels == "fast", kv_dtype=kv_dtype))
+        self.fusion_log = (fuse_graph(self.graph, FusionContext(act_int8=kernels == "fast"))
                            if fuse else [])
         # What the Program reads (after fusion: the stacked matrices, not their parts).
         self.weights = dict(self.graph.weights)

@@ -27,7 +27,6 @@ class FusionContext:
     """What the passes must know about how the graph will run."""
 
     act_int8: bool = True   # packed matmuls take int8 activations (W*A8)
-    kv_dtype: str = "f32"   # the KV-cache storage type
 
 
 def fuse(graph: Graph, ctx: FusionContext | None = None, only: tuple[str, ...] | None = None) -> list[str]:
