@@ -74,6 +74,7 @@ enum OpKind : int32_t {
   OP_GATHER = 8,     // out[r,:] = x[out_rows[r], :]                     i: n
   OP_ADD_RMSNORM = 9,  // out2 = x + x2; out = rmsnorm(out2) * w (+ int8 copy at e0)  i: n, G  f: eps
   OP_QUANTIZE = 10,    // e0 = x as int8 in groups of G (a W*A8 matmul's input stage)  i: n, G
+  OP_ARGMAX = 11,      // out[m] = first index of max x[m, :] (int32; numpy's argmax)  i: n
   OP_COUNT
 };
 

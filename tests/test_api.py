@@ -50,6 +50,22 @@ def test_logits_agree_with_generation(stories):
     np.testing.assert_array_equal(stories.logits(ids[:4]), logits[:4])
 
 
+def test_greedy_ids_are_numpys_argmax_of_the_step_logits(stories):
+    """The step's argmax op (what greedy decoding reads) against numpy's
+    argmax of the same step's logits rows, for a batch of three prompts."""
+    eng = stories.engine
+    seqs = [eng.add_request(stories.tokenizer.encode(p), GREEDY) for p in ("Once", "The dog ran to the", "A")]
+    try:
+        out = eng.scheduler.schedule()
+        logits = eng.runner.run(out.scheduled, out.copies)
+        n = sum(1 for s in out.scheduled if s.logits)
+        assert n == 3
+        np.testing.assert_array_equal(eng.runner.greedy_ids(n), logits[:n].argmax(axis=1))
+    finally:
+        for s in seqs:
+            eng.abort(s)
+
+
 def test_stream_text_equals_generate_text_and_stop_strings(stories):
     ids = stories.tokenizer.encode("Once upon a time")
     full = stories.generate([ids], GREEDY)[0]

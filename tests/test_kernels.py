@@ -587,6 +587,49 @@ def test_gather(isa, nth):
         assert np.isnan(got[n_out:]).all()
 
 
+@pytest.mark.parametrize("nth", THREADS)
+@pytest.mark.parametrize("isa", ISAS)
+def test_argmax(isa, nth):
+    """Greedy ids against numpy's argmax itself: the first index on ties (in
+    one chunk of 16 vectors, across chunks, in the tail), the first NaN if
+    any, +inf, rows of -inf; lengths around the chunk of 16 vectors."""
+    g = rng("argmax", isa, nth)
+    for n in (1, 5, 16, 255, 256, 257, 1000, 49152 + 13):
+        x = g.standard_normal((12, n)).astype(np.float32)
+        k = g.integers(0, n, size=6)
+        top = np.float32(x.max() + 1)
+        x[1, k[0]] = x[1, k[1]] = top                       # a tie: the first of the two
+        x[2, :] = 0.5                                       # all equal: index 0
+        x[3, k[2]] = np.nan                                 # a NaN wins wherever it is
+        x[4, k[3]] = np.inf
+        x[4, k[4]] = np.nan if n > 1 else np.inf
+        x[5, :] = -np.inf                                   # no finite value: index 0
+        x[6, k[5]] = top
+        x[6, -1] = top                                      # ties with the last (tail) element
+        x[7, :] = -np.inf
+        x[7, -1] = -1.0
+        x[8, 0] = x[8, -1] = top                            # the first element and the last
+        x[9, k[0]] = np.float32(1e30)
+        x[9, -1] = np.float32(1e30)
+        x[10, :] = -0.0
+        x[10, k[1]] = 0.0                                   # -0.0 == 0.0: a tie, index 0
+        p = Prog(isa, nth, T=12)
+        xo, out = p.buf("x", x), p.buf("out", n=12)
+        p.add("argmax", "f32", ROWS_TOKENS, [n], [], [xo, None, None, None, out, None])
+        p.run(12)
+        got = p.get("out").view(np.int32)
+        np.testing.assert_array_equal(got, np.argmax(x, axis=1), err_msg=f"n={n}")
+    # ROWS_OUT: only the n_out rows
+    p = Prog(isa, nth, T=9, O=4)
+    x = g.standard_normal((4, 300)).astype(np.float32)
+    xo, out = p.buf("x", x), p.buf("out", n=4, fill=-7)
+    p.add("argmax", "f32", ROWS_OUT, [300], [], [xo, None, None, None, out, None])
+    p.run(9, out_rows=[8, 1, 3])
+    got = p.get("out")
+    np.testing.assert_array_equal(got[:3].view(np.int32), np.argmax(x[:3], axis=1))
+    assert got[3] == -7
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_more_threads_than_work(isa):
     """One token, five threads: most threads get an empty share."""

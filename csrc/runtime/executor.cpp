@@ -66,7 +66,8 @@ int64_t Executor::buffer_size(int id) const {
 namespace {
 
 const char* kOpNames[OP_COUNT] = {"embed", "rmsnorm", "matmul", "rope", "kv_write",
-                                  "attention", "swiglu", "add", "gather", "add_rmsnorm", "quantize"};
+                                  "attention", "swiglu", "add", "gather", "add_rmsnorm", "quantize",
+                                  "argmax"};
 
 // Matmul epilogues / prologues (kernels/matmul.inc).
 constexpr int EPI_STORE = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2, EPI_QKV = 3;
@@ -89,7 +90,7 @@ void check_shape(const Op& op) {
   static const int need[OP_COUNT][4] = {
       {0, -1, -1, -1}, {0, -1, -1, -1}, {0, 1, -1, -1}, {0, 1, 3, -1}, {0, -1, -1, -1},
       {0, 1, 2, 3},    {0, -1, -1, -1}, {0, -1, -1, -1}, {0, -1, -1, -1}, {0, -1, -1, -1},
-      {0, 1, -1, -1}};
+      {0, 1, -1, -1},  {0, -1, -1, -1}};
   for (int k : need[op.kind])
     if (k >= 0 && op.i[k] <= 0)
       throw std::invalid_argument(std::string(kOpNames[op.kind]) + ": size " + std::to_string(k) + " must be > 0");
@@ -165,6 +166,7 @@ void operand_extents(const Op& op, const ExecConfig& c, int64_t ext[OP_OPERANDS]
     }
     case OP_SWIGLU: case OP_ADD: ext[0] = ext[1] = ext[4] = cmul(cmul(M, op.i[0]), f); break;
     case OP_GATHER: ext[0] = cmul(cmul(T, op.i[0]), f); ext[4] = cmul(cmul(c.max_out, op.i[0]), f); break;
+    case OP_ARGMAX: ext[0] = cmul(cmul(M, op.i[0]), f); ext[4] = cmul(M, 4); break;  // out: M int32
   }
 }
 

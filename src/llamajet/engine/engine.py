@@ -162,10 +162,10 @@ class Engine:
         st.steps += 1
         st.tokens += out.num_tokens
         # Plain greedy rows (no penalty: the sampler's own rule is this argmax,
-        # first index on ties) in one numpy call instead of one per sequence.
+        # first index on ties) from the step's argmax op (runner.greedy_ids).
         plain = [s.seq.sampler.params.greedy and s.seq.sampler.params.repetition_penalty == 1.0
                  for s in out.scheduled if s.logits]
-        argmax = logits[:len(plain)].argmax(axis=1) if any(plain) else None
+        argmax = self.runner.greedy_ids(len(plain)) if any(plain) else None
         touched, row = [], 0
         for s in out.scheduled:
             seq = s.seq

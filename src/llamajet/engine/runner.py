@@ -95,6 +95,8 @@ class ModelRunner:
         off = self.plan.offsets["logits"]
         self._logits = arena[off : off + self.max_out * cfg.vocab_size * 4].view(np.float32).reshape(
             self.max_out, cfg.vocab_size)
+        off = self.plan.offsets["greedy"]  # each logits row's argmax (int32)
+        self._greedy = arena[off : off + self.max_out * 4].view(np.int32)
         # The KV pools as [2 * layers, num_blocks, bytes per block], for block copies.
         block_bytes = block_size * self.kv.row_bytes
         self._kv_blocks = self.exe.buffer(kv_buf)[: 2 * cfg.num_layers * self.kv.pool_bytes].reshape(
@@ -119,6 +121,12 @@ class ModelRunner:
         arena, valid until the next step (copy to keep)."""
         self.exe.run(b.tokens, b.positions, b.slots, b.seq_of_token, b.block_tables, b.out_rows)
         return self._logits[: len(b.out_rows)]
+
+    def greedy_ids(self, n: int) -> np.ndarray:
+        """The argmax of each of the last step's first n logits rows (numpy's
+        rule: first index on ties), made by the step itself; a view valid
+        until the next step."""
+        return self._greedy[:n]
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """KV block src -> dst for every layer's K and V (copy-on-write).

@@ -150,6 +150,9 @@ def lower(graph: Graph, plan: MemoryPlan, exe, arena: int, kv: KVLayout, act_int
             dim = graph.tensors[out].shape[-1]
             ops_args = dict(wtype="f32", rows=_rows(graph, out), ints=[dim], floats=[],
                             opnd=[a(x), a(n.inputs[1]), None, None, a(out), None])
+        elif n.op == "argmax":
+            ops_args = dict(wtype="f32", rows=_rows(graph, x), ints=[graph.tensors[x].shape[-1]], floats=[],
+                            opnd=[a(x), None, None, None, a(out), None])
         elif n.op == "gather":
             dim = graph.tensors[out].shape[-1]
             ops_args = dict(wtype="f32", rows=ops.ROWS_OUT, ints=[dim], floats=[],

@@ -34,6 +34,7 @@ OPS = {
     "gather": 8,
     "add_rmsnorm": 9,
     "quantize": 10,
+    "argmax": 11,
 }
 
 # Leading-dimension codes resolved per step by the executor.
