@@ -39,8 +39,11 @@ def build(isa, threads, scheme, layers, rng, m=1):
             data = pw.data.copy()  # a distinct copy per layer: nothing stays cached
             keep.append(data)
             nbytes += data.nbytes
-            ex.add_op(ops.OPS["matmul"], ops.DTYPES[pw.dtype], m, [n, k, pw.group, 0], [],
-                      [(xb, 0), None, data, None, (ob, 0), None])
+            p = ops.OPS["matmul"]()
+            p.x = ops.Ref.in_buffer(xb, 0, ops.DType.F32, m, k)
+            p.w = ops.Ref.from_array(data, ops.dtype(pw.dtype), n, k, pw.group)
+            p.out = ops.Ref.in_buffer(ob, 0, ops.DType.F32, m, n)
+            ex.add(p)
     return ex, keep, nbytes
 
 

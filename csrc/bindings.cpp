@@ -1,6 +1,12 @@
 // bindings.cpp — the one extension module (llamajet._core). Marshalling and
 // boundary checks only; no math. Every error on input becomes a Python
 // exception (std::invalid_argument -> ValueError), never a crash.
+//
+// Exported so that Python never re-declares a code: the storage types
+// (DType), op kinds (OpKind), matmul epilogues / prologues, the KV storage
+// types by their option names, the size rules (tensor_bytes, ...), and one
+// class per op family's params struct, every field by name with its doc
+// (generated from the field lists of kernels/*.inc, so they cannot drift).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
@@ -22,27 +28,6 @@ using I32Vec = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device:
 using I32Mat = nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 using AnyArr = nb::ndarray<nb::ro, nb::c_contig, nb::device::cpu>;
 
-lj::Operand to_operand(nb::handle h, int index) {
-  lj::Operand o;
-  if (h.is_none()) return o;
-  if (nb::isinstance<nb::tuple>(h)) {
-    nb::tuple t = nb::borrow<nb::tuple>(h);
-    if (t.size() != 2) throw std::invalid_argument("operand tuple must be (buffer_id, byte_offset)");
-    o.buffer = nb::cast<int>(t[0]);
-    o.offset = nb::cast<int64_t>(t[1]);
-    return o;
-  }
-  AnyArr a;
-  // No implicit conversion: a converted array would be a temporary freed on
-  // return, leaving the executor a dangling pointer.
-  if (!nb::try_cast(h, a, false))
-    throw std::invalid_argument("operand " + std::to_string(index) +
-                                " must be None, (buffer, offset) or a C-contiguous array");
-  o.ptr = a.data();
-  o.nbytes = (int64_t)a.nbytes();
-  return o;
-}
-
 void check_packed_args(const char* fn, int kind, int64_t g, int64_t n, int64_t k) {
   const std::string f(fn);
   if (!lj::is_packed(kind)) throw std::invalid_argument(f + ": unknown packed kind");
@@ -63,11 +48,59 @@ void for_tiles(int n_threads, int64_t tiles, const std::function<void(int64_t, i
   }, &job);
 }
 
+std::string ref_repr(const lj::Ref& r) {
+  std::string where = r.buffer >= 0 ? "buffer=" + std::to_string(r.buffer) + ", offset=" + std::to_string(r.offset)
+                      : r.ptr       ? "external, nbytes=" + std::to_string(r.nbytes)
+                                    : "absent";
+  return "Ref(" + where + ", dtype=" + std::to_string(r.dtype) + ", rows=" + std::to_string(r.rows) +
+         ", cols=" + std::to_string(r.cols) + ", group=" + std::to_string(r.group) + ")";
+}
+
 }  // namespace
 
 NB_MODULE(_core, m) {
-  m.doc() = "llamajet C++ core: CPU feature detection, kernels, executor";
+  m.doc() = "llamajet C++ core: CPU feature detection, typed ops, kernels, executor";
 
+  // ---------------------------------------------------------------- codes
+  nb::enum_<lj::DType>(m, "DType", nb::is_arithmetic(), "Storage types of weights, activations and the KV cache (csrc/common.h)")
+      .value("F32", lj::F32).value("F16", lj::F16).value("BF16", lj::BF16)
+      .value("Q8_0", lj::Q8_0).value("Q4_0", lj::Q4_0).value("Q4_1", lj::Q4_1)
+      .value("PK_I4S", lj::PK_I4S).value("PK_I4A", lj::PK_I4A).value("PK_I8", lj::PK_I8)
+      .value("I32", lj::I32).value("Q8_ACT", lj::Q8_ACT).value("KV_I8", lj::KV_I8);
+#define LJ_KIND_VALUE(KIND, name, P, FIELDS, kernel) .value(#name, lj::KIND)
+  nb::enum_<lj::OpKind>(m, "OpKind", nb::is_arithmetic(), "Op kinds, by the graph's op names (kernels/ops.h)") LJ_OPS(LJ_KIND_VALUE);
+#undef LJ_KIND_VALUE
+  nb::enum_<lj::Epilogue>(m, "Epilogue", nb::is_arithmetic(), "What a matmul's finished tile of columns becomes (kernels/matmul.inc)")
+      .value("STORE", lj::EPI_STORE).value("RESIDUAL", lj::EPI_RESIDUAL)
+      .value("SWIGLU", lj::EPI_SWIGLU).value("QKV", lj::EPI_QKV);
+  nb::enum_<lj::Prologue>(m, "Prologue", nb::is_arithmetic(), "How a matmul's input rows are made (kernels/matmul.inc)")
+      .value("NONE", lj::PRO_NONE).value("PREQUANT", lj::PRO_PREQUANT).value("RMSNORM", lj::PRO_RMSNORM);
+  {
+    nb::dict kv;  // KV cache storage types, by their option names (RuntimeConfig.kv_dtype)
+    kv["f32"] = lj::F32; kv["f16"] = lj::F16; kv["bf16"] = lj::BF16; kv["int8"] = lj::KV_I8;
+    m.attr("KV_DTYPES") = kv;
+  }
+  m.attr("TILE") = lj::TILE;
+  m.attr("QK") = lj::QK;
+  m.attr("ROWS_TOKENS") = lj::ROWS_TOKENS;
+  m.attr("ROWS_OUT") = lj::ROWS_OUT;
+
+  // ---------------------------------------------------------------- size rules
+  m.def("tensor_bytes", &lj::tensor_bytes, "dtype"_a, "rows"_a, "cols"_a, "group"_a = 0,
+        "Bytes of a [rows, cols] tensor of storage type dtype (group: packed / Q8_ACT groups, KV head_dim); "
+        "-1 if the shape is not valid for the type.");
+  m.def("ggml_block_bytes", [](lj::DType t) { return lj::ggml_block_bytes(t); }, "dtype"_a,
+        "Bytes of one GGML block of QK elements (0: not a block type).");
+  m.def("packed_block_bytes", [](lj::DType t, int64_t g) {
+          if (!lj::is_packed(t) || g <= 0) throw std::invalid_argument("packed_block_bytes: a packed type and group > 0");
+          return lj::packed_block_bytes(t, g);
+        }, "dtype"_a, "group"_a, "Bytes of one (16-row tile, group) block of a packed type.");
+  m.def("kv_row_bytes", [](lj::DType t, int64_t kv_heads, int64_t hd) {
+          if (!lj::is_kv_dtype(t) || kv_heads <= 0 || hd <= 0) throw std::invalid_argument("kv_row_bytes: bad arguments");
+          return lj::kv_row_bytes(t, kv_heads, hd);
+        }, "dtype"_a, "kv_heads"_a, "head_dim"_a, "Bytes of one KV cache row (one token's K or V).");
+
+  // ---------------------------------------------------------------- machine
   m.def("cpu_features", [] {
     const lj::CpuFeatures& f = lj::cpu_features();
     nb::dict d;
@@ -82,12 +115,14 @@ NB_MODULE(_core, m) {
   m.def("read_bandwidth", &lj::read_bandwidth, "nbytes"_a, "n_threads"_a, "reps"_a = 5,
         nb::call_guard<nb::gil_scoped_release>(),
         "Best read rate (bytes/s) of an nbytes buffer over reps passes, n_threads threads.");
+  m.def("step_allocations", &lj::step_allocations,
+        "Heap allocations (operator new) made by this module's code inside steps, since import.");
 
   // Offline weight (de)quantization to / from the packed formats, tiles split
-  // over a pool of n_threads. Equal bit for bit to quant/pack.py.
+  // over a pool of n_threads. Equal bit for bit to formats/packed.py.
   m.def("quantize_packed",
-        [](const std::string& isa, int kind, int64_t g, nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> w,
-           int n_threads) {
+        [](const std::string& isa, lj::DType kind, int64_t g,
+           nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> w, int n_threads) {
           const int64_t n = w.shape(0), k = w.shape(1);
           check_packed_args("quantize_packed", kind, g, n, k);
           const lj::KernelTable* kt = lj::kernel_table(isa);
@@ -102,7 +137,7 @@ NB_MODULE(_core, m) {
         },
         "isa"_a, "kind"_a, "group"_a, "w"_a, "n_threads"_a = 1);
   m.def("dequantize_packed",
-        [](const std::string& isa, int kind, int64_t g, int64_t n, int64_t k,
+        [](const std::string& isa, lj::DType kind, int64_t g, int64_t n, int64_t k,
            nb::ndarray<const uint8_t, nb::c_contig, nb::device::cpu> packed, int n_threads) {
           check_packed_args("dequantize_packed", kind, g, n, k);
           if ((int64_t)packed.nbytes() != lj::packed_bytes(kind, n, k, g))
@@ -118,8 +153,42 @@ NB_MODULE(_core, m) {
         },
         "isa"_a, "kind"_a, "group"_a, "n"_a, "k"_a, "packed"_a, "n_threads"_a = 1);
 
-  nb::class_<lj::Executor>(m, "Executor")
-      .def("__init__",
+  // ---------------------------------------------------------------- operands
+  nb::class_<lj::Ref>(m, "Ref",
+                      "A tensor operand: an executor buffer + byte offset, or external memory (an array "
+                      "Python keeps alive), with its storage type and shape. Absent: Ref().")
+      .def(nb::init<>())
+      .def_static("in_buffer",
+                  [](int buffer, int64_t offset, lj::DType dtype, int64_t rows, int64_t cols, int64_t group) {
+                    if (buffer < 0) throw std::invalid_argument("Ref.in_buffer: buffer id must be >= 0");
+                    lj::Ref r;
+                    r.buffer = buffer; r.offset = offset; r.dtype = dtype; r.rows = rows; r.cols = cols; r.group = group;
+                    return r;
+                  },
+                  "buffer"_a, "offset"_a, "dtype"_a, "rows"_a, "cols"_a, "group"_a = 0)
+      .def_static("from_array",
+                  [](nb::handle h, lj::DType dtype, int64_t rows, int64_t cols, int64_t group) {
+                    AnyArr a;
+                    // No implicit conversion: a converted array would be a temporary freed on
+                    // return, leaving the executor a dangling pointer.
+                    if (!nb::try_cast(h, a, false))
+                      throw std::invalid_argument("Ref.from_array: needs a C-contiguous numpy array (no conversion)");
+                    lj::Ref r;
+                    r.ptr = a.data(); r.nbytes = (int64_t)a.nbytes();
+                    r.dtype = dtype; r.rows = rows; r.cols = cols; r.group = group;
+                    return r;
+                  },
+                  "a"_a, "dtype"_a, "rows"_a, "cols"_a, "group"_a = 0,
+                  "External memory (the caller keeps the array alive as long as the executor runs).")
+      .def_rw("buffer", &lj::Ref::buffer).def_rw("offset", &lj::Ref::offset).def_ro("nbytes", &lj::Ref::nbytes)
+      .def_rw("dtype", &lj::Ref::dtype).def_rw("rows", &lj::Ref::rows).def_rw("cols", &lj::Ref::cols)
+      .def_rw("group", &lj::Ref::group)
+      .def_prop_ro("present", [](const lj::Ref& r) { return lj::present(r); })
+      .def("__repr__", &ref_repr);
+
+  // ---------------------------------------------------------------- executor
+  auto exe = nb::class_<lj::Executor>(m, "Executor");
+  exe.def("__init__",
            [](lj::Executor* self, const std::string& isa, int n_threads, int max_tokens, int max_out, int max_seqs,
               int max_blocks, int64_t kv_slots, int64_t block_size, int64_t max_pos, int64_t scratch_floats) {
              lj::ExecConfig c;
@@ -129,7 +198,7 @@ NB_MODULE(_core, m) {
              new (self) lj::Executor(c);
            },
            "isa"_a, "n_threads"_a, "max_tokens"_a, "max_out"_a, "max_seqs"_a, "max_blocks"_a, "kv_slots"_a,
-           "block_size"_a, "max_pos"_a, "scratch_floats"_a)
+           "block_size"_a, "max_pos"_a, "scratch_floats"_a = 0)
       .def_prop_ro("isa", [](const lj::Executor& e) { return std::string(e.isa()); })
       .def_prop_ro("n_threads", [](const lj::Executor& e) { return e.config().n_threads; })
       .def_prop_ro("max_tokens", [](const lj::Executor& e) { return e.config().max_tokens; })
@@ -142,7 +211,7 @@ NB_MODULE(_core, m) {
            [](const lj::Executor& e) {
              nb::list out;  // (op index, kind, total ns) over the profiled steps
              const auto& ns = e.op_ns();
-             for (size_t k = 0; k < ns.size(); ++k) out.append(nb::make_tuple(k, e.op_kind(k), ns[k]));
+             for (size_t k = 0; k < ns.size(); ++k) out.append(nb::make_tuple(k, (lj::OpKind)e.op_kind(k), ns[k]));
              return nb::make_tuple(e.profiled_steps(), out);
            })
       .def("buffer",
@@ -153,23 +222,6 @@ NB_MODULE(_core, m) {
              return nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(e.buffer_data(id), 1, shape, self_h);
            },
            "id"_a, "A writable uint8 numpy view of an executor buffer.")
-      .def("add_op",
-           [](lj::Executor& e, int kind, int wtype, int64_t rows, const std::vector<int64_t>& ints,
-              const std::vector<float>& floats, nb::list operands) {
-             if (ints.size() > lj::OP_INTS - 1 || floats.size() > 2 ||
-                 (operands.size() != 6 && operands.size() != lj::OP_OPERANDS))
-               throw std::invalid_argument("add_op: at most 9 ints, 2 floats and 6 or 8 operands");
-             lj::Op op;
-             op.kind = kind;
-             op.wtype = wtype;
-             op.rows = rows;
-             for (size_t k = 0; k < ints.size(); ++k) op.i[k] = ints[k];
-             for (size_t k = 0; k < floats.size(); ++k) op.f[k] = floats[k];
-             lj::Operand o[lj::OP_OPERANDS];
-             for (size_t k = 0; k < operands.size(); ++k) o[k] = to_operand(operands[k], (int)k);
-             e.add_op(op, o);
-           },
-           "kind"_a, "wtype"_a, "rows"_a, "ints"_a, "floats"_a, "operands"_a)
       .def("run",
            [](lj::Executor& e, I32Vec tokens, I32Vec positions, I32Vec slots, I32Vec seq_of_token,
               I32Mat block_tables, I32Vec out_rows) {
@@ -182,4 +234,31 @@ NB_MODULE(_core, m) {
                    (int)out_rows.shape(0), out_rows.data());
            },
            "tokens"_a, "positions"_a, "slots"_a, "seq_of_token"_a, "block_tables"_a, "out_rows"_a);
+
+  // ---------------------------------------------------------------- op params
+  // One class per op family, its fields bound by name from the field list;
+  // Executor.add takes any of them. OPS maps the graph's op names to them.
+  nb::dict op_classes;
+#define LJ_BIND_FIELD_REF(name, doc) cls.def_rw(#name, &Self::name, doc);
+#define LJ_BIND_FIELD_VAL(type, name, init, doc) cls.def_rw(#name, &Self::name, doc);
+#define LJ_BIND_OP(KIND, opname, P, FIELDS, kernel)                                                 \
+  {                                                                                                 \
+    using Self = lj::P;                                                                             \
+    auto cls = nb::class_<Self>(m, #P, "Params of the " #opname " op (kernels/ops.h); fields by name"); \
+    cls.def(nb::init<>());                                                                          \
+    FIELDS(LJ_BIND_FIELD_REF, LJ_BIND_FIELD_VAL)                                                    \
+    cls.def_prop_ro_static("fields", [](nb::handle) {                                               \
+      nb::list names;                                                                               \
+      Self p;                                                                                       \
+      lj::OpTraits<Self>::fields(p, [&](const char* n, auto&, const char*) { names.append(n); });    \
+      return names;                                                                                 \
+    });                                                                                             \
+    exe.def("add", [](lj::Executor& e, const Self& p) { e.add(p); }, "params"_a);                   \
+    op_classes[#opname] = cls;                                                                      \
+  }
+  LJ_OPS(LJ_BIND_OP)
+#undef LJ_BIND_OP
+#undef LJ_BIND_FIELD_REF
+#undef LJ_BIND_FIELD_VAL
+  m.attr("OPS") = op_classes;
 }

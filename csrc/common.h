@@ -1,8 +1,13 @@
-// common.h — plain-data types shared by the runtime and every kernel tier.
+// common.h — plain-data types shared by the runtime and every kernel tier:
+// storage types, tensor operands (Ref), the per-step context, size rules.
 //
-// The executor runs a Program: a flat list of Ops over memory it is handed.
-// Python builds the Program once per (phase, shape bucket); every step only
-// refreshes the small StepCtx (token ids, positions, KV slots) and runs it.
+// The executor runs a Program: a list of typed ops (one params struct per op
+// family, kernels/ops.h) over memory it is handed. Python builds the Program
+// once per runner; every step only refreshes the small StepCtx (token ids,
+// positions, KV slots) and runs it.
+//
+// Every code here (DType, OpKind, the epilogues) is defined once, in C++, and
+// exported to Python by bindings.cpp; Python never re-declares one.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -11,10 +16,11 @@ namespace lj {
 
 // NOTE: helpers in this header are `static inline`: each ISA translation unit
 // keeps its own copy, so the linker can never hand the baseline code a copy
-// compiled with AVX-512 flags.
+// compiled with AVX-512 flags. For the same reason kernel code never
+// constructs a Ref or a params struct (their implicit constructors are
+// inline): kernels only read the ones the executor built.
 
-// Weight / table storage formats the kernels read. Values are part of the
-// Python<->C++ contract (ops/__init__.py mirrors them).
+// Storage types of weights, activations and the KV cache.
 enum DType : int32_t {
   F32 = 0,
   F16 = 1,
@@ -22,18 +28,32 @@ enum DType : int32_t {
   Q8_0 = 3,  // GGML block: fp16 d, 32 x int8;        w = d * q
   Q4_0 = 4,  // GGML block: fp16 d, 16 B nibbles;      w = d * (q - 8)
   Q4_1 = 5,  // GGML block: fp16 d, fp16 m, 16 B;      w = d * q + m
-  KV_I8 = 16,  // KV cache only: per (slot, kv head) fp32 scale then head_dim int8; x = scale * q
-  // Packed, tile-interleaved formats (src/llamajet/quant/pack.py has the
+  // Packed, tile-interleaved formats (src/llamajet/formats/packed.py has the
   // layout): tiles of 16 rows, groups of G along K, per tile and group
   // codes | d[16] fp16 | m[16] fp16 (asymmetric only).
   PK_I4S = 6,  // int4 symmetric:  w = d * (c - 8)
   PK_I4A = 7,  // int4 asymmetric: w = d * c + m
   PK_I8 = 8,   // int8 symmetric:  w = d * c (c signed)
+  I32 = 9,     // int32 values (greedy token ids)
+  // Activation rows quantized for a W*A8 matmul, in groups of G (qact_bytes):
+  // int8 codes [rows, kpad] padded to 64 bytes, then per group an fp32 scale
+  // [rows, ng] and an int32 code sum [rows, ng].
+  Q8_ACT = 10,
+  KV_I8 = 16,  // KV cache only: per (slot, kv head) fp32 scale then head_dim int8; x = scale * q
+  DTYPE_MAX = 16
 };
 
 constexpr int64_t TILE = 16;  // rows per packed tile
+constexpr int64_t QK = 32;    // elements per GGML quant block
 
 static inline bool is_packed(int32_t t) { return t == PK_I4S || t == PK_I4A || t == PK_I8; }
+static inline bool is_ggml_block(int32_t t) { return t == Q8_0 || t == Q4_0 || t == Q4_1; }
+static inline bool is_kv_dtype(int32_t t) { return t == F32 || t == F16 || t == BF16 || t == KV_I8; }
+// Types a weight (matmul / embedding table) may be stored in.
+static inline bool is_weight_dtype(int32_t t) { return t == F32 || t == F16 || t == BF16 || is_ggml_block(t) || is_packed(t); }
+
+// Bytes of one GGML block of 32 elements (0: not a block type).
+static inline int64_t ggml_block_bytes(int32_t t) { return t == Q8_0 ? 34 : t == Q4_0 ? 18 : t == Q4_1 ? 20 : 0; }
 
 // Bytes of one (tile, group) block of a packed format with group length g.
 static inline int64_t packed_block_bytes(int32_t t, int64_t g) {
@@ -46,42 +66,84 @@ static inline int64_t packed_bytes(int32_t t, int64_t n, int64_t k, int64_t g) {
   return tiles * groups * packed_block_bytes(t, g);
 }
 
-constexpr int64_t QK = 32;  // elements per GGML quant block
-
-// Bytes used by one row of K elements of type t (K must be a multiple of 32
-// for the block types; Python checks this before building a Program).
+// Bytes used by one row of k elements of a row-major type t (block types need
+// k % 32 == 0; the executor checks before any kernel sees one).
 static inline int64_t row_bytes(int32_t t, int64_t k) {
   switch (t) {
-    case F32: return 4 * k;
+    case F32: case I32: return 4 * k;
     case F16: case BF16: return 2 * k;
-    case Q8_0: return (k / QK) * 34;
-    case Q4_0: return (k / QK) * 18;
-    case Q4_1: return (k / QK) * 20;
+    case Q8_0: case Q4_0: case Q4_1: return (k / QK) * ggml_block_bytes(t);
     default: return -1;
   }
 }
 
-// Op kinds, also mirrored in Python.
-enum OpKind : int32_t {
-  OP_EMBED = 0,      // out[t,:] = table[tokens[t], :]                  i: dim (packed: _, _, G)
-  OP_RMSNORM = 1,    // out = x * rsqrt(mean(x^2)+eps) * w               i: n      f: eps
-  OP_MATMUL = 2,     // out[m,n] = sum_k x[m,k] W[n,k]                   i: N, K (packed: G, float-activations flag)
-  OP_ROPE = 3,       // out = rope(x) on [t, heads, hd], cos/sin tables i: heads, hd, interleaved, row stride
-  OP_KV_WRITE = 4,   // kpool[slot[t]] = k[t]; vpool[slot[t]] = v[t]     i: kv_dim
-  OP_ATTENTION = 5,  // causal GQA over K/V read through block tables    i: heads, kv_heads, hd, block_size  f: scale
-  OP_SWIGLU = 6,     // out = silu(gate) * up                            i: n
-  OP_ADD = 7,        // out = a + b                                      i: n
-  OP_GATHER = 8,     // out[r,:] = x[out_rows[r], :]                     i: n
-  OP_ADD_RMSNORM = 9,  // out2 = x + x2; out = rmsnorm(out2) * w (+ int8 copy at e0)  i: n, G  f: eps
-  OP_QUANTIZE = 10,    // e0 = x as int8 in groups of G (a W*A8 matmul's input stage)  i: n, G
-  OP_ARGMAX = 11,      // out[m] = first index of max x[m, :] (int32; numpy's argmax)  i: n
-  OP_COUNT
-};
+// Bytes of M rows of n values quantized in groups of G (kpad = n rounded up
+// to G): int8 codes padded to 64 bytes, then per group an fp32 scale and an
+// int32 sum (kernels/matmul.inc qact_layout).
+static inline int64_t qact_bytes(int64_t M, int64_t kpad, int64_t ng) { return ((M * kpad + 63) / 64) * 64 + 8 * M * ng; }
+
+// Bytes of one KV row: kv_heads heads of hd values in KV storage type t
+// (KV_I8: per head an fp32 scale, then hd codes).
+static inline int64_t kv_row_bytes(int32_t t, int64_t kv_heads, int64_t hd) {
+  return t == KV_I8 ? kv_heads * (hd + 4) : row_bytes(t, kv_heads * hd);
+}
 
 // Row counts that depend on the step are written as these negative codes in
-// Op::rows and resolved per run.
+// a Ref's rows and resolved per run.
 constexpr int64_t ROWS_TOKENS = -1;  // tokens in this step
 constexpr int64_t ROWS_OUT = -2;     // rows whose logits are wanted
+
+// A tensor operand of an op: where its memory is and what it holds. Python
+// fills the location (an executor buffer and byte offset, or an external array
+// such as a weight it keeps alive) and the shape; the executor checks that the
+// memory holds tensor_bytes(dtype, rows, cols, group) for the largest step and
+// resolves `data` once, when the op is added. Absent (optional operands):
+// buffer < 0 and ptr null; then data stays null.
+struct Ref {
+  int32_t buffer = -1;        // executor buffer id; -1: external memory (ptr), or absent
+  int64_t offset = 0;         // bytes into the buffer (a multiple of 4)
+  const void* ptr = nullptr;  // external memory
+  int64_t nbytes = 0;         // bytes at ptr
+  int32_t dtype = F32;        // storage type (DType)
+  int64_t rows = 0;           // leading dimension: a count, or ROWS_TOKENS / ROWS_OUT
+  int64_t cols = 0;           // elements per row (KV pools: kv_heads * head_dim)
+  int64_t group = 0;          // packed, Q8_ACT: elements per scale group; KV pools: head_dim
+  void* data = nullptr;       // resolved by the executor; what kernels read
+};
+
+static inline bool present(const Ref& r) { return r.buffer >= 0 || r.ptr != nullptr; }
+
+// Bytes a tensor of this type and shape occupies; -1 when the shape is not
+// valid for the type (a block type whose cols are no whole blocks, a packed
+// type without a group) or the size does not fit in int64 (computed in 128
+// bits, so a hostile shape cannot wrap around to a small size). Python plans
+// its arena with the same function (exported).
+static inline int64_t tensor_bytes(int32_t t, int64_t rows, int64_t cols, int64_t group) {
+  if (rows < 0 || cols < 0 || group < 0 || rows > (int64_t)1 << 40 || cols > (int64_t)1 << 40 ||
+      group > (int64_t)1 << 20)
+    return -1;
+  using I = __int128;
+  I n;
+  if (is_packed(t)) {
+    if (group == 0) return -1;
+    n = (I)((rows + TILE - 1) / TILE) * ((cols + group - 1) / group) * packed_block_bytes(t, group);
+  } else if (t == Q8_ACT) {
+    if (group == 0) return -1;
+    const I ng = (cols + group - 1) / group;
+    n = ((I)rows * ng * group + 63) / 64 * 64 + 8 * (I)rows * ng;
+  } else if (t == KV_I8) {
+    if (group == 0 || cols % group != 0) return -1;
+    n = (I)rows * (cols / group) * (group + 4);
+  } else if (is_ggml_block(t)) {
+    if (cols % QK != 0) return -1;
+    n = (I)rows * (cols / QK) * ggml_block_bytes(t);
+  } else {
+    const int64_t es = row_bytes(t, 1);
+    if (es < 0) return -1;
+    n = (I)rows * cols * es;
+  }
+  return n > (I)INT64_MAX ? -1 : (int64_t)n;
+}
 
 // Per-step inputs; arrays are owned by the Executor (sized at construction).
 struct StepCtx {
@@ -89,6 +151,7 @@ struct StepCtx {
   int32_t n_out;
   int32_t n_seqs;
   int32_t max_blocks;           // row stride of block_tables
+  int64_t block_size;           // tokens per KV block (the pool's, fixed per executor)
   const int32_t* tokens;        // [n_tokens]
   const int32_t* positions;     // [n_tokens] position of each token in its sequence
   const int32_t* slots;         // [n_tokens] KV slot (block * block_size + offset)
@@ -99,49 +162,16 @@ struct StepCtx {
   int64_t scratch_floats;
 };
 
-// One op of a Program with its operands resolved to pointers.
-struct Op {
-  int32_t kind = 0;
-  int32_t wtype = F32;  // storage type of w (matmul weight / embedding table)
-  int64_t rows = 0;     // leading dimension M (or ROWS_* code)
-  int64_t i[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
-  float f[2] = {0.f, 0.f};
-  float* x = nullptr;        // main input
-  const float* x2 = nullptr; // second input (add b, swiglu up, kv_write v)
-  const void* w = nullptr;   // weight / table / rope cos
-  const void* w2 = nullptr;  // rope sin / v pool
-  float* out = nullptr;      // output (k pool for kv_write / attention)
-  float* out2 = nullptr;     // v pool for kv_write
-  void* e0 = nullptr;        // fused ops' extra operands (epilogue / prologue inputs)
-  void* e1 = nullptr;
-};
+// One kernel: computes this thread's share [ith of nth] of the op whose
+// params struct `params` points to (the kernel's own type; kernels/ops.h).
+using KernelFn = void (*)(const void* params, const StepCtx& ctx, int ith, int nth);
 
-constexpr int OP_INTS = 12;     // Op::i
-constexpr int OP_OPERANDS = 8;  // x, x2, w, w2, out, out2, e0, e1
-
-// One kernel: computes this thread's share [ith of nth] of the op.
-using KernelFn = void (*)(const Op& op, const StepCtx& ctx, int ith, int nth);
-
-// A tier's kernels, indexed by OpKind. Filled once per ISA file.
 // Offline weight (de)quantization of packed formats, tiles [tile_b, tile_e)
 // of a [n, k] matrix (layout: packed formats above; rounding rule:
-// src/llamajet/quant/pack.py, which these equal bit for bit).
+// src/llamajet/formats/packed.py, which these equal bit for bit).
 using QuantFn = void (*)(int32_t kind, int64_t g, const float* w, int64_t n, int64_t k, uint8_t* out,
                          int64_t tile_b, int64_t tile_e);
 using DequantFn = void (*)(int32_t kind, int64_t g, const uint8_t* packed, int64_t n, int64_t k, float* out,
                            int64_t tile_b, int64_t tile_e);
-
-struct KernelTable {
-  const char* isa;
-  KernelFn fn[OP_COUNT];
-  QuantFn quantize;
-  DequantFn dequantize;
-};
-
-// Each per-ISA translation unit exports one of these.
-const KernelTable* kernels_ref();
-const KernelTable* kernels_avx2();
-const KernelTable* kernels_avx512();
-const KernelTable* kernels_amx();
 
 }  // namespace lj

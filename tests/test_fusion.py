@@ -8,6 +8,7 @@ import copy
 import numpy as np
 import pytest
 
+from llamajet import ops
 from llamajet.engine.runner import ModelRunner, StepBatch
 from llamajet.graph.ir import Graph
 from llamajet.graph.passes import FusionContext, fuse
@@ -116,14 +117,18 @@ def _graph(model, scheme="int8_g32"):
     return build_graph(model.config, w, 64)
 
 
+def _node(n):
+    return (n.name, n.op, dict(n.inputs), dict(n.outputs), dict(n.attrs))
+
+
 def _snapshot(g: Graph):
-    return [(n.name, n.op, list(n.inputs), list(n.outputs)) for n in g.nodes]
+    return [_node(n) for n in g.nodes]
 
 
 def _spy(g: Graph, tensor: str):
     """Adds a consumer of `tensor` (a node reading it), so the tensor may no longer disappear."""
     out = g.tensor(f"spy.{tensor}", g.tensors[tensor].shape)
-    g.add(f"spy.{tensor}", "add", [tensor, tensor], [out])
+    g.add(f"spy.{tensor}", "add", {"a": tensor, "b": tensor}, {"out": out})
 
 
 @pytest.fixture(scope="module")
@@ -141,13 +146,13 @@ def test_intermediate_with_another_consumer_refuses(tiny, tensor, pass_name):
     g = _graph(tiny)
     _spy(g, tensor)
     prod = g.producers()[tensor]
-    readers = [(n.name, n.op, list(n.inputs), list(n.outputs)) for n in g.consumers(tensor)]
-    before = (prod.name, prod.op, list(prod.inputs), list(prod.outputs))
+    readers = [_node(n) for n in g.consumers(tensor)]
+    before = _node(prod)
     log = fuse(g, only=(pass_name,))
     assert tensor in g.tensors
     p2 = g.producers()[tensor]
-    assert (p2.name, p2.op, list(p2.inputs), list(p2.outputs)) == before
-    assert [(n.name, n.op, list(n.inputs), list(n.outputs)) for n in g.consumers(tensor)] == readers
+    assert _node(p2) == before
+    assert [_node(n) for n in g.consumers(tensor)] == readers
     assert not any(prod.name in l for l in log)
 
 
@@ -169,7 +174,8 @@ def test_qkv_keeps_k_rot_and_v_for_their_readers(tiny):
     _spy(g, "blk.0.rope_k.out")
     assert len(fuse(g, only=("qkv",))) == tiny.config.num_layers
     fused = g.producers()["blk.0.rope_k.out"]
-    assert fused.name == "blk.0.attn_qkv" and fused.outputs[1:] == ["blk.0.rope_k.out", "blk.0.attn_v.out"]
+    assert fused.name == "blk.0.attn_qkv"
+    assert (fused.outputs["k_out"], fused.outputs["v_out"]) == ("blk.0.rope_k.out", "blk.0.attn_v.out")
     assert [n.op for n in g.consumers("blk.0.attn_v.out")] == ["kv_write"]
     assert sorted(n.op for n in g.consumers("blk.0.rope_k.out")) == ["add", "kv_write"]
 
@@ -191,14 +197,14 @@ def test_residual_refuses_a_residual_produced_after_the_matmul():
     g = Graph()
     w = WeightTensor("w", "f32", (16, 16), np.eye(16, dtype=np.float32))
     a = g.tensor("a", ("T", 16))
-    g.add("src", "embed", [g.weight("tab", WeightTensor("tab", "f32", (4, 16), np.ones((4, 16), np.float32))),
-                           g.tensor("tokens", ("T",), "i32", kind="input")], [a])
+    g.add("src", "embed", {"table": g.weight("tab", WeightTensor("tab", "f32", (4, 16), np.ones((4, 16), np.float32))),
+                           "tokens": g.tensor("tokens", ("T",), "i32", kind="input")}, {"out": a})
     o = g.tensor("o", ("T", 16))
-    g.add("proj", "matmul", [a, g.weight("w", w)], [o])
+    g.add("proj", "matmul", {"x": a, "w": g.weight("w", w)}, {"out": o})
     x = g.tensor("x", ("T", 16))
-    g.add("late", "add", [a, a], [x])
+    g.add("late", "add", {"a": a, "b": a}, {"out": x})
     r = g.tensor("r", ("T", 16))
-    g.add("res", "add", [x, o], [r])
+    g.add("res", "add", {"a": x, "b": o}, {"out": r})
     g.outputs.append(r)
     snap = _snapshot(g)
     assert fuse(g, only=("residual",)) == [] and _snapshot(g) == snap
@@ -225,8 +231,10 @@ def test_ffn_quant_feeds_the_down_projection_only_for_int8_packed_readers(tiny, 
     down = next(n for n in g.nodes if n.name == "blk.0.ffn_down")
     names = [n.name for n in g.nodes]
     assert names.index("blk.0.ffn_gate_up") + 1 == names.index(q.name) < names.index(down.name)
-    assert down.inputs[0] == q.outputs[0] == down.attrs["qin"] and down.attrs["prologue"] == "prequant"
-    assert q.attrs["group"] == 32 and q.inputs[0] == g.producers()[q.inputs[0]].outputs[0]
+    assert down.inputs["qin"] == q.outputs["out"] and "x" not in down.inputs
+    assert down.attrs["prologue"] == ops.Prologue.PREQUANT
+    assert g.tensors[q.outputs["out"]].group == 32
+    assert g.producers()[q.inputs["x"]].name == "blk.0.ffn_gate_up"
     g = _graph(smollm2, scheme=None)  # another reader of the SwiGLU output: nothing there
     _spy(g, "blk.2.ffn_swiglu.out")
     log = fuse(g, only=("ffn_quant",))
@@ -242,8 +250,8 @@ def test_attention_quantizes_on_write_only_for_whole_groups_of_int8_readers(tiny
     assert len(log) == smollm2.config.num_layers and all("int8 g32" in l for l in log)
     att = next(n for n in g.nodes if n.name == "blk.0.attn")
     o = next(n for n in g.nodes if n.name == "blk.0.attn_output")
-    assert att.attrs["q_group"] == 32 and o.inputs[0] == att.outputs[1] == att.attrs["qout"]
-    assert o.attrs["prologue"] == "prequant"
+    assert g.tensors[att.outputs["qout"]].group == 32 and o.inputs["qin"] == att.outputs["qout"]
+    assert o.attrs["prologue"] == ops.Prologue.PREQUANT
     g = _graph(smollm2, scheme=None)  # another reader of the attention output: no fusion there
     _spy(g, "blk.2.attn.out")
     log = fuse(g, only=("attn_quant",))

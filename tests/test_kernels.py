@@ -59,7 +59,7 @@ import pytest
 
 from llamajet import ops
 from llamajet.errors import LlamajetError
-from llamajet.ops import DTYPES, OPS, ROWS_OUT, ROWS_TOKENS, Executor, ref
+from llamajet.ops import OPS, ROWS_OUT, ROWS_TOKENS, Executor, ref
 from llamajet.ops.dispatch import ISA_ORDER
 
 U = 2.0**-24
@@ -88,7 +88,8 @@ def i32(a) -> np.ndarray:
 
 class Prog:
     """A small executor: named fp32 buffers (each exactly the size asked for)
-    and a Program of ops over them."""
+    and a Program of ops over them, each op its params struct with the
+    fields given by name (tensor operands as Refs)."""
 
     def __init__(self, isa, nth, *, T, O=None, S=1, B=1, kv_slots=16, bs=16, P=1, scratch=0):
         self.ex = Executor(isa=isa, n_threads=nth, max_tokens=T, max_out=T if O is None else O,
@@ -96,23 +97,36 @@ class Prog:
                            scratch_floats=scratch)
         assert self.ex.isa == isa
         self.ids: dict[str, int] = {}
+        self.keep: list[np.ndarray] = []  # arrays the Program reads (a Ref holds a raw pointer)
 
-    def buf(self, name, data=None, n=None, fill=np.nan):
-        """Allocates buffer `name` holding fp32 `data` (or n floats of `fill`); its operand."""
+    def buf(self, name, data=None, n=None, fill=np.nan) -> int:
+        """Allocates buffer `name` holding fp32 `data` (or n floats of `fill`); its id."""
         data = None if data is None else np.ascontiguousarray(data, np.float32).ravel()
         n = data.size if data is not None else n
         bid = self.ex.alloc_buffer(4 * n)
         v = self.ex.buffer(bid).view(np.float32)
         v[:] = fill if data is None else data
         self.ids[name] = bid
-        return (bid, 0)
+        return bid
+
+    def a(self, name, rows, cols, dtype="f32", group=0, offset=0):
+        """A Ref to buffer `name` holding [rows, cols] of `dtype` at `offset` bytes."""
+        return ops.Ref.in_buffer(self.ids[name], offset, ops.dtype(dtype), rows, cols, group)
+
+    def w(self, array, dtype, rows, cols, group=0):
+        """A Ref to external memory `array` (kept alive by the Prog)."""
+        self.keep.append(array)
+        return ops.Ref.from_array(array, ops.dtype(dtype), rows, cols, group)
 
     def get(self, name, shape=None) -> np.ndarray:
         a = self.ex.buffer(self.ids[name]).view(np.float32).copy()
         return a if shape is None else a.reshape(shape)
 
-    def add(self, op, wtype, rows, ints, floats, opnd):
-        self.ex.add_op(OPS[op], DTYPES[wtype], rows, list(ints), list(floats), list(opnd))
+    def add(self, op, **fields):
+        params = OPS[op]()
+        for k, v in fields.items():
+            setattr(params, k, v)
+        self.ex.add(params)
 
     def run(self, n, tokens=None, positions=None, slots=None, seq=None, bt=None, out_rows=()):
         z = np.zeros(n, np.int32)
@@ -240,8 +254,8 @@ def test_embed(isa, nth, dtype):
         if T > 1:
             tokens[1] = 0
         p = Prog(isa, nth, T=T + 2)
-        out = p.buf("out", n=(T + 2) * dim)
-        p.add("embed", dtype, ROWS_TOKENS, [dim], [], [None, None, table, None, out, None])
+        p.buf("out", n=(T + 2) * dim)
+        p.add("embed", table=p.w(table, dtype, V, dim), out=p.a("out", ROWS_TOKENS, dim))
         p.run(T, tokens=tokens)
         got = p.get("out", (T + 2, dim))
         assert_bits_equal(got[:T], want[tokens])
@@ -260,8 +274,8 @@ def test_rmsnorm(isa, nth):
         x = (g.standard_normal((T, n)) * g.uniform(0.01, 10, size=(T, 1))).astype(np.float32)
         w = g.standard_normal(n).astype(np.float32)
         p = Prog(isa, nth, T=T)
-        xo, out = p.buf("x", x), p.buf("out", n=T * n)
-        p.add("rmsnorm", "f32", ROWS_TOKENS, [n], [eps], [xo, None, w, None, out, None])
+        p.buf("x", x), p.buf("out", n=T * n)
+        p.add("rmsnorm", x=p.a("x", ROWS_TOKENS, n), w=p.w(w, "f32", 1, n), out=p.a("out", ROWS_TOKENS, n), eps=eps)
         p.run(T)
         want = ref.rmsnorm(x, w.astype(np.float64), eps)
         rtol = 2 * ((n + 3) / 2 + 4) * U
@@ -271,8 +285,8 @@ def test_rmsnorm(isa, nth):
     x = g.standard_normal((O, n)).astype(np.float32)
     w = g.standard_normal(n).astype(np.float32)
     p = Prog(isa, nth, T=T, O=O)
-    xo = p.buf("x", x)
-    p.add("rmsnorm", "f32", ROWS_OUT, [n], [eps], [xo, None, w, None, xo, None])
+    p.buf("x", x)
+    p.add("rmsnorm", x=p.a("x", ROWS_OUT, n), w=p.w(w, "f32", 1, n), out=p.a("x", ROWS_OUT, n), eps=eps)
     p.run(T, out_rows=[4, 0])
     want = ref.rmsnorm(x[:2], w.astype(np.float64), eps)
     got = p.get("x", (O, n))
@@ -292,8 +306,8 @@ def matmul_case(isa, nth, dtype, M, N, K, g, rows_mode="tokens"):
         T, O, rows, n_out, mrows = M + 3, M, ROWS_OUT, max(M - 1, 1), M
     x = g.standard_normal((mrows, K)).astype(np.float32)
     p = Prog(isa, nth, T=T, O=O, scratch=K)
-    xo, out = p.buf("x", x), p.buf("out", n=mrows * N)
-    p.add("matmul", dtype, rows, [N, K], [], [xo, None, W, None, out, None])
+    p.buf("x", x), p.buf("out", n=mrows * N)
+    p.add("matmul", x=p.a("x", rows, K), w=p.w(W, dtype, N, K), out=p.a("out", rows, N))
     p.run(T, out_rows=g.integers(0, T, size=n_out))
     got = p.get("out", (mrows, N))
     m = M if rows_mode == "tokens" else n_out
@@ -329,8 +343,8 @@ def test_matmul_threads_agree(isa):
     res = []
     for nth in (1, 2, 5):
         p = Prog(isa, nth, T=M, scratch=K)
-        xo, out = p.buf("x", x), p.buf("out", n=M * N)
-        p.add("matmul", "q4_1", ROWS_TOKENS, [N, K], [], [xo, None, W, None, out, None])
+        p.buf("x", x), p.buf("out", n=M * N)
+        p.add("matmul", x=p.a("x", ROWS_TOKENS, K), w=p.w(W, "q4_1", N, K), out=p.a("out", ROWS_TOKENS, N))
         p.run(M)
         res.append(p.get("out", (M, N)))
     Wf = ref.dequantize(W, "q4_1", (N, K))
@@ -368,10 +382,11 @@ def test_rope(isa, nth, interleaved, inplace):
         pos = g.integers(0, max_pos, size=T)
         pos[: min(T, 4)] = [max_pos - 1, 0, 65536 % max_pos, 65535 % max_pos][: min(T, 4)]
         p = Prog(isa, nth, T=T, P=max_pos, B=1, bs=max_pos, kv_slots=max_pos)
-        xo = p.buf("x", x)
-        out = xo if inplace else p.buf("out", n=T * stride)
-        p.add("rope", "f32", ROWS_TOKENS, [heads, hd, int(interleaved), stride], [],
-              [xo, None, cos, sin, out, None])
+        p.buf("x", x)
+        out = "x" if inplace else (p.buf("out", n=T * stride) and "out")
+        p.add("rope", x=p.a("x", ROWS_TOKENS, stride), out=p.a(out, ROWS_TOKENS, stride),
+              cos=p.w(cos, "f32", *cos.shape), sin=p.w(sin, "f32", *sin.shape), heads=heads, head_dim=hd,
+              interleaved=interleaved)
         p.run(T, positions=pos)
         got = p.get("x" if inplace else "out", (T, stride))
         c64, s64 = cos.astype(np.float64), sin.astype(np.float64)
@@ -403,9 +418,11 @@ def test_kv_write(isa, nth):
         v = g.standard_normal((T, kvd)).astype(np.float32)
         slots = np.concatenate([[slots_n - 1], g.permutation(slots_n - 1)[: T - 1]])  # distinct, incl. last
         p = Prog(isa, nth, T=T, kv_slots=slots_n, bs=bs, B=nblocks, P=1)
-        ko, vo = p.buf("k", k), p.buf("v", v)
-        kp, vp = p.buf("kp", n=slots_n * kvd), p.buf("vp", n=slots_n * kvd)
-        p.add("kv_write", "f32", ROWS_TOKENS, [kvd], [], [ko, vo, None, None, kp, vp])
+        p.buf("k", k), p.buf("v", v)
+        p.buf("kp", n=slots_n * kvd), p.buf("vp", n=slots_n * kvd)
+        p.add("kv_write", k=p.a("k", ROWS_TOKENS, kvd), v=p.a("v", ROWS_TOKENS, kvd),
+              k_pool=p.a("kp", slots_n, kvd, group=kvd), v_pool=p.a("vp", slots_n, kvd, group=kvd),
+              kv_heads=1, head_dim=kvd)
         p.run(T, slots=slots)
         for name, src in (("kp", k), ("vp", v)):
             pool = p.get(name, (slots_n, kvd))
@@ -509,11 +526,13 @@ def test_attention(isa, nth, H, KVH, hd, bs):
 
     p = Prog(isa, nth, T=T, S=S, B=max_blocks, kv_slots=slots_n, bs=bs, P=max_blocks * bs,
              scratch=attention_scratch(H // KVH, hd, bs, max_blocks))
-    qo, ko, vo = p.buf("q", q), p.buf("k", knew), p.buf("v", vnew)
-    kp, vp = p.buf("kp", ref.k_pool_from_rows(kpool, KVH, hd, bs)), p.buf("vp", vpool)
-    out = p.buf("out", n=T * H * hd)
-    p.add("kv_write", "f32", ROWS_TOKENS, [kvd], [], [ko, vo, None, None, kp, vp])
-    p.add("attention", "f32", ROWS_TOKENS, [H, KVH, hd, bs], [scale], [qo, None, kp, vp, out, None])
+    p.buf("q", q), p.buf("k", knew), p.buf("v", vnew)
+    p.buf("kp", ref.k_pool_from_rows(kpool, KVH, hd, bs)), p.buf("vp", vpool)
+    p.buf("out", n=T * H * hd)
+    pools = dict(k_pool=p.a("kp", slots_n, kvd, group=hd), v_pool=p.a("vp", slots_n, kvd, group=hd))
+    p.add("kv_write", k=p.a("k", ROWS_TOKENS, kvd), v=p.a("v", ROWS_TOKENS, kvd), kv_heads=KVH, head_dim=hd, **pools)
+    p.add("attention", q=p.a("q", ROWS_TOKENS, H * hd), out=p.a("out", ROWS_TOKENS, H * hd), heads=H, kv_heads=KVH,
+          head_dim=hd, scale=scale, **pools)
     p.run(T, positions=positions, slots=slots, seq=seq_of, bt=bt)
     got = p.get("out", (T, H * hd))
     for s in range(S):
@@ -534,8 +553,8 @@ def test_swiglu(isa, nth):
         gate.ravel()[:8] = [-100, -88, -20, 0, 20, 88, 100, -1e-30][: min(8, gate.size)]
         up = g.standard_normal((T, n)).astype(np.float32)
         p = Prog(isa, nth, T=T)
-        go, uo, out = p.buf("g", gate), p.buf("u", up), p.buf("out", n=T * n)
-        p.add("swiglu", "f32", ROWS_TOKENS, [n], [], [go, uo, None, None, out, None])
+        p.buf("g", gate), p.buf("u", up), p.buf("out", n=T * n)
+        p.add("swiglu", gate=p.a("g", ROWS_TOKENS, n), up=p.a("u", ROWS_TOKENS, n), out=p.a("out", ROWS_TOKENS, n))
         p.run(T)
         want = ref.swiglu(gate, up.astype(np.float64))
         atol = 2 * 6 * U * np.abs(want) + 1e-37 * np.abs(up)
@@ -550,9 +569,9 @@ def test_add(isa, nth):
         a = g.standard_normal((T, n)).astype(np.float32)
         b = (g.standard_normal((T, n)) * 1e3).astype(np.float32)
         p = Prog(isa, nth, T=T)
-        ao, bo = p.buf("a", a), p.buf("b", b)
-        out = ao if inplace else p.buf("out", n=T * n)  # the residual add writes into x
-        p.add("add", "f32", ROWS_TOKENS, [n], [], [ao, bo, None, None, out, None])
+        p.buf("a", a), p.buf("b", b)
+        out = "a" if inplace else (p.buf("out", n=T * n) and "out")  # the residual add writes into x
+        p.add("add", a=p.a("a", ROWS_TOKENS, n), b=p.a("b", ROWS_TOKENS, n), out=p.a(out, ROWS_TOKENS, n))
         p.run(T)
         got = p.get("a" if inplace else "out", (T, n))
         assert_bits_equal(got, a + b)  # one IEEE rounding: exact vs numpy fp32
@@ -561,8 +580,8 @@ def test_add(isa, nth):
     T, O, n = 9, 4, 40
     a, b = g.standard_normal((O, n)).astype(np.float32), g.standard_normal((O, n)).astype(np.float32)
     p = Prog(isa, nth, T=T, O=O)
-    ao, bo, out = p.buf("a", a), p.buf("b", b), p.buf("out", n=O * n)
-    p.add("add", "f32", ROWS_OUT, [n], [], [ao, bo, None, None, out, None])
+    p.buf("a", a), p.buf("b", b), p.buf("out", n=O * n)
+    p.add("add", a=p.a("a", ROWS_OUT, n), b=p.a("b", ROWS_OUT, n), out=p.a("out", ROWS_OUT, n))
     p.run(T, out_rows=[8, 1, 3])
     got = p.get("out", (O, n))
     assert_bits_equal(got[:3], a[:3] + b[:3])
@@ -579,8 +598,8 @@ def test_gather(isa, nth):
         if n_out:
             rows[0] = T - 1
         p = Prog(isa, nth, T=T, O=O)
-        xo, out = p.buf("x", x), p.buf("out", n=O * n)
-        p.add("gather", "f32", ROWS_OUT, [n], [], [xo, None, None, None, out, None])
+        p.buf("x", x), p.buf("out", n=O * n)
+        p.add("gather", x=p.a("x", ROWS_TOKENS, n), out=p.a("out", ROWS_OUT, n))
         p.run(T, out_rows=rows)
         got = p.get("out", (O, n))
         assert_bits_equal(got[:n_out], ref.gather(x, rows))
@@ -614,16 +633,16 @@ def test_argmax(isa, nth):
         x[10, :] = -0.0
         x[10, k[1]] = 0.0                                   # -0.0 == 0.0: a tie, index 0
         p = Prog(isa, nth, T=12)
-        xo, out = p.buf("x", x), p.buf("out", n=12)
-        p.add("argmax", "f32", ROWS_TOKENS, [n], [], [xo, None, None, None, out, None])
+        p.buf("x", x), p.buf("out", n=12)
+        p.add("argmax", x=p.a("x", ROWS_TOKENS, n), out=p.a("out", ROWS_TOKENS, 1, "i32"))
         p.run(12)
         got = p.get("out").view(np.int32)
         np.testing.assert_array_equal(got, np.argmax(x, axis=1), err_msg=f"n={n}")
     # ROWS_OUT: only the n_out rows
     p = Prog(isa, nth, T=9, O=4)
     x = g.standard_normal((4, 300)).astype(np.float32)
-    xo, out = p.buf("x", x), p.buf("out", n=4, fill=-7)
-    p.add("argmax", "f32", ROWS_OUT, [300], [], [xo, None, None, None, out, None])
+    p.buf("x", x), p.buf("out", n=4, fill=-7)
+    p.add("argmax", x=p.a("x", ROWS_OUT, 300), out=p.a("out", ROWS_OUT, 1, "i32"))
     p.run(9, out_rows=[8, 1, 3])
     got = p.get("out")
     np.testing.assert_array_equal(got[:3].view(np.int32), np.argmax(x[:3], axis=1))
@@ -637,9 +656,9 @@ def test_more_threads_than_work(isa):
     g = rng("tiny", isa)
     a, b = g.standard_normal((1, n)).astype(np.float32), g.standard_normal((1, n)).astype(np.float32)
     p = Prog(isa, 5, T=1)
-    ao, bo, o1, o2 = p.buf("a", a), p.buf("b", b), p.buf("o1", n=n), p.buf("o2", n=n)
-    p.add("add", "f32", ROWS_TOKENS, [n], [], [ao, bo, None, None, o1, None])
-    p.add("swiglu", "f32", ROWS_TOKENS, [n], [], [ao, bo, None, None, o2, None])
+    p.buf("a", a), p.buf("b", b), p.buf("o1", n=n), p.buf("o2", n=n)
+    p.add("add", a=p.a("a", ROWS_TOKENS, n), b=p.a("b", ROWS_TOKENS, n), out=p.a("o1", ROWS_TOKENS, n))
+    p.add("swiglu", gate=p.a("a", ROWS_TOKENS, n), up=p.a("b", ROWS_TOKENS, n), out=p.a("o2", ROWS_TOKENS, n))
     for _ in range(3):  # repeated runs reuse the pool
         p.run(1)
         assert_bits_equal(p.get("o1", (1, n)), a + b)
@@ -657,8 +676,8 @@ def test_embed_token_out_of_vocab():
     V, dim, T = 10, 8, 4
     table = make_table("f32", V, dim, rng("oov"))
     p = Prog(ISA0, 2, T=T)
-    out = p.buf("out", n=T * dim)
-    p.add("embed", "f32", ROWS_TOKENS, [dim], [], [None, None, table, None, out, None])
+    p.buf("out", n=T * dim)
+    p.add("embed", table=p.w(table, "f32", V, dim), out=p.a("out", ROWS_TOKENS, dim))
     for bad in (V, V + 1000, -1, 2**31 - 1):
         with pytest.raises(ValueError, match="vocabulary"):
             p.run(2, tokens=[0, bad])
@@ -671,8 +690,9 @@ def test_rope_position_out_of_range():
     hd, heads, P = 8, 2, 32
     cos, sin = rope_tables(hd, P)
     p = Prog(ISA0, 2, T=4, P=P, B=4, bs=16, kv_slots=16)
-    xo = p.buf("x", np.zeros((4, heads * hd)))
-    p.add("rope", "f32", ROWS_TOKENS, [heads, hd, 1, heads * hd], [], [xo, None, cos, sin, xo, None])
+    p.buf("x", np.zeros((4, heads * hd)))
+    p.add("rope", x=p.a("x", ROWS_TOKENS, heads * hd), out=p.a("x", ROWS_TOKENS, heads * hd),
+          cos=p.w(cos, "f32", *cos.shape), sin=p.w(sin, "f32", *sin.shape), heads=heads, head_dim=hd, interleaved=True)
     bt = np.zeros((1, 4))  # block tables reach 64 positions: max_pos is the binding limit
     for bad in (P, P + 1, -1, 2**31 - 1):
         with pytest.raises(ValueError, match="position"):
@@ -684,9 +704,10 @@ def test_rope_tables_too_small():
     hd, heads, P = 8, 2, 32
     cos, sin = rope_tables(hd, P - 1)
     p = Prog(ISA0, 1, T=4, P=P, B=4, bs=16, kv_slots=16)
-    xo = p.buf("x", np.zeros((4, heads * hd)))
+    p.buf("x", np.zeros((4, heads * hd)))
     with pytest.raises(ValueError, match="too small"):
-        p.add("rope", "f32", ROWS_TOKENS, [heads, hd, 1, heads * hd], [], [xo, None, cos, sin, xo, None])
+        p.add("rope", x=p.a("x", ROWS_TOKENS, heads * hd), out=p.a("x", ROWS_TOKENS, heads * hd),
+              cos=p.w(cos, "f32", *cos.shape), sin=p.w(sin, "f32", *sin.shape), heads=heads, head_dim=hd)
 
 
 def attention_scratch(group, hd, bs, max_blocks):
@@ -697,12 +718,14 @@ def attention_scratch(group, hd, bs, max_blocks):
 
 
 def kv_prog(T=4, kvd=8, bs=16, nblocks=4):
+    """kv_write of one kv head of kvd values into fp32 pools; the pools' Refs."""
     p = Prog(ISA0, 2, T=T, kv_slots=bs * nblocks, bs=bs, B=nblocks, P=bs * nblocks, S=2,
              scratch=attention_scratch(4, kvd, bs, nblocks))
-    ko, vo = p.buf("k", np.zeros((T, kvd))), p.buf("v", np.zeros((T, kvd)))
-    kp, vp = p.buf("kp", n=bs * nblocks * kvd), p.buf("vp", n=bs * nblocks * kvd)
-    p.add("kv_write", "f32", ROWS_TOKENS, [kvd], [], [ko, vo, None, None, kp, vp])
-    return p, (ko, vo, kp, vp)
+    p.buf("k", np.zeros((T, kvd))), p.buf("v", np.zeros((T, kvd)))
+    p.buf("kp", n=bs * nblocks * kvd), p.buf("vp", n=bs * nblocks * kvd)
+    pools = dict(k_pool=p.a("kp", bs * nblocks, kvd, group=kvd), v_pool=p.a("vp", bs * nblocks, kvd, group=kvd))
+    p.add("kv_write", k=p.a("k", ROWS_TOKENS, kvd), v=p.a("v", ROWS_TOKENS, kvd), kv_heads=1, head_dim=kvd, **pools)
+    return p, pools
 
 
 def test_kv_slot_out_of_range():
@@ -714,9 +737,10 @@ def test_kv_slot_out_of_range():
 
 
 def test_attention_bad_block_table():
-    p, (ko, vo, kp, vp) = kv_prog()
-    qo, out = p.buf("q", np.zeros((4, 16))), p.buf("out", n=4 * 16)
-    p.add("attention", "f32", ROWS_TOKENS, [2, 1, 8, 16], [0.3], [qo, None, kp, vp, out, None])
+    p, pools = kv_prog()
+    p.buf("q", np.zeros((4, 16))), p.buf("out", n=4 * 16)
+    p.add("attention", q=p.a("q", ROWS_TOKENS, 16), out=p.a("out", ROWS_TOKENS, 16), heads=2, kv_heads=1,
+          head_dim=8, scale=0.3, **pools)
     ok = np.array([[3, 1, 0, 2], [2, 0, 1, 3]])
     for bad in (4, 5, -1, 2**31 - 1):
         bt = ok.copy()
@@ -736,35 +760,51 @@ def test_attention_bad_block_table():
 
 
 def test_attention_bad_config():
-    p, (ko, vo, kp, vp) = kv_prog()
-    qo, out = p.buf("q", np.zeros((4, 24))), p.buf("out", n=4 * 24)
-    for ints in ([3, 2, 8, 16], [2, 0, 8, 16], [2, 1, 8, 8]):  # H % KVH, KVH = 0, block size
-        with pytest.raises(ValueError):
-            p.add("attention", "f32", ROWS_TOKENS, ints, [0.3], [qo, None, kp, vp, out, None])
-    with pytest.raises(ValueError, match="out of its buffer"):  # pools sized for kv_dim 8, not 16
-        p.add("attention", "f32", ROWS_TOKENS, [2, 2, 8, 16], [0.3], [qo, None, kp, vp, out, None])
-    # quantize-on-write: a group of 8 dividing head_dim, and an int8 buffer iff a group
-    q8 = p.buf("q8", n=4 * 24)
-    with pytest.raises(ValueError, match="group"):  # 16 does not divide head_dim 8
-        p.add("attention", "f32", ROWS_TOKENS, [2, 1, 8, 16, 16], [0.3], [qo, None, kp, vp, out, None, q8, None])
-    with pytest.raises(ValueError, match="e0"):  # a group but no buffer
-        p.add("attention", "f32", ROWS_TOKENS, [2, 1, 8, 16, 8], [0.3], [qo, None, kp, vp, out, None, None, None])
-    with pytest.raises(ValueError, match="e0"):  # a buffer but no group
-        p.add("attention", "f32", ROWS_TOKENS, [2, 1, 8, 16], [0.3], [qo, None, kp, vp, out, None, q8, None])
-    # Scratch smaller than the context needs: the executor grows it at add_op
-    # (counted as an allocation), never inside a step.
+    T, slots = 4, 64
+    p = Prog(ISA0, 2, T=T, kv_slots=slots, bs=16, B=4, P=slots, S=2)
+    for name, n in (("kp", slots * 16), ("vp", slots * 16), ("q", T * 24), ("out", T * 24), ("q8", T * 64)):
+        p.buf(name, n=n)
+
+    def att(kvh=2, hd=8, heads=3, pool_rows=slots, **kw):
+        fields = dict(q=p.a("q", ROWS_TOKENS, heads * hd), out=p.a("out", ROWS_TOKENS, heads * hd),
+                      k_pool=p.a("kp", pool_rows, kvh * hd, group=hd), v_pool=p.a("vp", pool_rows, kvh * hd, group=hd),
+                      heads=heads, kv_heads=kvh, head_dim=hd, scale=0.3)
+        fields.update(kw)
+        p.add("attention", **fields)
+
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        att(heads=3, kvh=2)
+    with pytest.raises(ValueError):  # no kv heads
+        att(kvh=0, heads=2)
+    with pytest.raises(ValueError, match="kv_slots"):  # a pool of another size than the executor's
+        att(heads=2, kvh=1, pool_rows=slots // 2)
+    with pytest.raises(ValueError, match="out of its buffer"):  # pools sized for kv_dim 16, not 32
+        att(heads=4, kvh=4)
+    # quantize-on-write: a Q8_ACT output whose group is a multiple of 8 dividing head_dim
+    with pytest.raises(ValueError, match="divide head_dim"):
+        att(heads=2, kvh=2, qout=p.a("q8", ROWS_TOKENS, 16, "q8_act", group=16))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        att(heads=2, kvh=1, hd=12, qout=p.a("q8", ROWS_TOKENS, 24, "q8_act", group=12))
+    with pytest.raises(ValueError, match="cannot hold"):  # Q8_ACT without a group
+        att(heads=2, kvh=2, qout=p.a("q8", ROWS_TOKENS, 16, "q8_act", group=0))
+    assert p.ex.num_ops == 0
+    att(heads=2, kvh=2, qout=p.a("q8", ROWS_TOKENS, 16, "q8_act", group=8))
+    assert p.ex.num_ops == 1
+    # Scratch smaller than the context needs: the executor grows it when the op
+    # is added (counted as an allocation), never inside a step.
     q = Prog(ISA0, 1, T=1, kv_slots=64, bs=16, B=4, P=64, scratch=63)
-    a = q.buf("a", n=64 * 8)
+    q.buf("a", n=64 * 8)
     before = q.ex.allocations
-    q.add("attention", "f32", ROWS_TOKENS, [1, 1, 8, 16], [0.3], [a, None, a, a, a, None])
+    q.add("attention", q=q.a("a", ROWS_TOKENS, 8), out=q.a("a", ROWS_TOKENS, 8), k_pool=q.a("a", 64, 8, group=8),
+          v_pool=q.a("a", 64, 8, group=8), heads=1, kv_heads=1, head_dim=8, scale=0.3)
     assert q.ex.allocations == before + 1
 
 
 def test_n_out_and_step_sizes():
     T, O, n = 6, 3, 8
     p = Prog(ISA0, 2, T=T, O=O)
-    xo, out = p.buf("x", np.zeros((T, n))), p.buf("out", n=O * n)
-    p.add("gather", "f32", ROWS_OUT, [n], [], [xo, None, None, None, out, None])
+    p.buf("x", np.zeros((T, n))), p.buf("out", n=O * n)
+    p.add("gather", x=p.a("x", ROWS_TOKENS, n), out=p.a("out", ROWS_OUT, n))
     with pytest.raises(ValueError, match="output row count"):
         p.run(5, out_rows=[0, 1, 2, 3])  # n_out > max_out
     with pytest.raises(ValueError, match="output row count"):
@@ -785,19 +825,26 @@ def test_n_out_and_step_sizes():
 def test_operand_past_buffer_end():
     T, n = 4, 8
     p = Prog(ISA0, 1, T=T)
-    a = p.buf("a", n=T * n)
-    big = p.buf("big", n=T * n + 4)
-    bid = big[0]
-    for opnd in ([(bid, 20), a, None, None, a, None],   # x ends one float past the end
-                 [a, (bid, 64), None, None, a, None],   # x2 twelve floats past
-                 [a, a, None, None, (bid, 4 * (T * n + 4)), None],  # out starts at the end
-                 [a, a, None, None, (bid, -4), None],   # negative offset
-                 [a, a, None, None, (bid, 2), None],    # misaligned offset
-                 [a, a, None, None, (99, 0), None],     # no such buffer
-                 [a, None, None, None, a, None]):       # x2 missing
-        with pytest.raises(ValueError):
-            p.add("add", "f32", ROWS_TOKENS, [n], [], opnd)
-    p.add("add", "f32", ROWS_TOKENS, [n], [], [(bid, 16), a, None, None, a, None])  # exactly fits
+    p.buf("a", n=T * n)
+    p.buf("big", n=T * n + 4)
+    a = p.a("a", ROWS_TOKENS, n)
+
+    def big(offset, rows=ROWS_TOKENS):
+        return p.a("big", rows, n, offset=offset)
+
+    absent = ops.Ref()
+    other = ops.Ref.in_buffer(99, 0, ops.DType.F32, ROWS_TOKENS, n)
+    for fields, why in ((dict(a=big(20), b=a, out=a), "out of its buffer"),  # ends one float past the end
+                        (dict(a=a, b=big(64), out=a), "out of its buffer"),  # twelve floats past
+                        (dict(a=a, b=a, out=big(4 * (T * n + 4))), "out of its buffer"),  # starts at the end
+                        (dict(a=a, b=a, out=big(-4)), "out of its buffer"),  # negative offset
+                        (dict(a=a, b=a, out=big(2)), "out of its buffer"),   # misaligned offset
+                        (dict(a=a, b=a, out=other), "no such buffer"),
+                        (dict(a=a, b=absent, out=a), "b is required"),
+                        (dict(a=a, b=a, out=big(0, rows=-3)), "row count")):
+        with pytest.raises(ValueError, match=why):
+            p.add("add", **fields)
+    p.add("add", a=big(16), b=a, out=a)  # exactly fits
     assert p.ex.num_ops == 1
 
 
@@ -806,16 +853,19 @@ def test_weight_too_small(dtype):
     N, K = 5, 96
     W = make_table(dtype, N, K, rng("small", dtype))
     p = Prog(ISA0, 1, T=2, scratch=K)
-    xo, out = p.buf("x", n=2 * K), p.buf("out", n=2 * N)
+    p.buf("x", n=2 * K), p.buf("out", n=2 * N)
+    x, out = p.a("x", ROWS_TOKENS, K), p.a("out", ROWS_TOKENS, N)
     with pytest.raises(ValueError, match="too small"):
-        p.add("matmul", dtype, ROWS_TOKENS, [N, K], [], [xo, None, W.ravel()[:-1], None, out, None])
+        p.add("matmul", x=x, w=p.w(W.ravel()[:-1], dtype, N, K), out=out)
     with pytest.raises(ValueError, match="too small"):
-        p.add("matmul", dtype, ROWS_TOKENS, [N + 1, K], [], [xo, None, W, None, out, None])
-    with pytest.raises(ValueError):  # weight missing
-        p.add("matmul", dtype, ROWS_TOKENS, [N, K], [], [xo, None, None, None, out, None])
-    # K beyond the per-thread scratch: grown at add_op, once
+        p.add("matmul", x=x, w=p.w(W, dtype, N + 1, K), out=p.a("out", ROWS_TOKENS, N + 1))
+    with pytest.raises(ValueError, match="w is required"):
+        p.add("matmul", x=x, out=out)
+    with pytest.raises(ValueError, match="columns"):  # out declared for another N
+        p.add("matmul", x=x, w=p.w(W, dtype, N, K), out=p.a("out", ROWS_TOKENS, N - 1))
+    # K beyond the per-thread scratch: grown when the op is added, once
     before = p.ex.allocations
-    p.add("matmul", dtype, ROWS_TOKENS, [N, K], [], [xo, None, W, None, out, None])
+    p.add("matmul", x=x, w=p.w(W, dtype, N, K), out=out)
     assert p.ex.allocations == before + 1
 
 
@@ -824,33 +874,41 @@ def test_quant_k_not_multiple_of_32(dtype):
     K = 48
     W = np.zeros(10 * 4 * K, np.uint8)  # plenty of bytes
     p = Prog(ISA0, 1, T=2, scratch=64)
-    xo, out = p.buf("x", n=2 * K), p.buf("out", n=2 * 64)
+    p.buf("x", n=2 * K), p.buf("out", n=2 * 64)
     with pytest.raises(ValueError, match="32"):
-        p.add("matmul", dtype, ROWS_TOKENS, [4, K], [], [xo, None, W, None, out, None])
+        p.add("matmul", x=p.a("x", ROWS_TOKENS, K), w=p.w(W, dtype, 4, K), out=p.a("out", ROWS_TOKENS, 4))
     with pytest.raises(ValueError, match="32"):
-        p.add("embed", dtype, ROWS_TOKENS, [K], [], [None, None, W, None, out, None])
+        p.add("embed", table=p.w(W, dtype, 4, K), out=p.a("out", ROWS_TOKENS, K))
     with pytest.raises(ValueError):
         ops.row_bytes(dtype, K)
 
 
-def test_unknown_kind_wtype_and_negative_sizes():
+def test_unknown_types_fields_and_negative_sizes():
     p = Prog(ISA0, 1, T=2, scratch=64)
-    a = p.buf("a", n=2 * 64)
+    p.buf("a", n=2 * 64)
+    a = p.a("a", ROWS_TOKENS, 8)
     W = np.zeros((4, 64), np.float32)
+    with pytest.raises(AttributeError):  # a field the op does not have
+        p.add("add", a=a, b=a, out=a, x=a)
+    bad_type = ops.Ref.in_buffer(p.ids["a"], 0, ops.DType.F32, ROWS_TOKENS, 8)
+    bad_type.dtype = 12345
+    with pytest.raises(ValueError, match="unknown storage type"):
+        p.add("add", a=bad_type, b=a, out=a)
+    with pytest.raises(ValueError, match="storage type"):  # int32 rows are no weights
+        p.add("matmul", x=p.a("a", ROWS_TOKENS, 64), w=p.w(W.view(np.int32), "i32", 4, 64), out=a)
+    with pytest.raises(ValueError, match="cannot hold"):  # packed weights need a group
+        p.add("matmul", x=p.a("a", ROWS_TOKENS, 64), w=p.w(np.zeros(4096, np.uint8), "pk_i4s", 16, 64), out=a)
     with pytest.raises(ValueError):
-        p.ex.add_op(len(OPS), 0, ROWS_TOKENS, [8], [], [a, a, None, None, a, None])
-    with pytest.raises(ValueError):
-        p.ex.add_op(OPS["matmul"], 6, ROWS_TOKENS, [4, 64], [], [a, None, W, None, a, None])
-    with pytest.raises(ValueError):
-        p.add("add", "f32", ROWS_TOKENS, [-8], [], [a, a, None, None, a, None])
-    with pytest.raises(ValueError):
-        p.add("add", "f32", -3, [8], [], [a, a, None, None, a, None])
-    with pytest.raises(ValueError):
-        p.ex.add_op(OPS["add"], 0, ROWS_TOKENS, [8], [], [a, a, None, None, a])  # 5 operands
-    with pytest.raises(ValueError):
-        p.ex.add_op(OPS["add"], 0, ROWS_TOKENS, [8], [], [a, a, None, None, (a[0], 0, 0), None])
-    with pytest.raises((ValueError, TypeError)):
-        p.ex.add_op(OPS["matmul"], 0, ROWS_TOKENS, [4, 64], [], [a, None, W[:, :32], None, a, None])
+        p.add("add", a=p.a("a", ROWS_TOKENS, -8), b=a, out=a)
+    with pytest.raises(ValueError, match="row count"):
+        p.add("add", a=p.a("a", -3, 8), b=a, out=a)
+    with pytest.raises(ValueError, match="no conversion"):  # a Ref is never built on a temporary conversion
+        ops.Ref.from_array([1.0, 2.0], ops.DType.F32, 1, 2)
+    with pytest.raises(ValueError, match="no conversion"):  # nor from a strided view (it would copy)
+        ops.Ref.from_array(W[:, :32], ops.DType.F32, 4, 32)
+    with pytest.raises(ValueError, match="epilogue"):
+        p.add("matmul", x=p.a("a", ROWS_TOKENS, 64), w=p.w(W, "f32", 4, 64), out=p.a("a", ROWS_TOKENS, 4),
+              residual=p.a("a", ROWS_TOKENS, 4))  # a residual without the RESIDUAL epilogue
     assert p.ex.num_ops == 0
 
 
@@ -858,15 +916,17 @@ def test_unknown_kind_wtype_and_negative_sizes():
 # executor.cpp: positive sizes and overflow-checked extents). Run in a child
 # process so a regression fails one test, not the session.
 _CRASHERS = {
-    # embed with dim 0: executor.cpp divides the table size by row_bytes(.., 0) == 0 (SIGFPE)
-    "embed_dim0": "p.ex.add_op(0, 0, -1, [0], [], [None, None, np.zeros(16, np.float32), None, (b, 0), None])",
-    # a constant row count so large that the extent M*K*4 wraps to 0 in int64: accepted, then
-    # the kernel walks 2**62 rows at run (SIGSEGV)
-    "rows_overflow": ("p.ex.add_op(7, 0, 2**62, [1], [], [(b, 0), (b, 0), None, None, (b, 0), None]);"
-                      "p.run(1)"),
-    # the same wrap-around hides a weight far too small: N*row_bytes and T*N*4 both wrap to 0
-    "matmul_n_overflow": ("p.ex.add_op(2, 0, -1, [2**60, 16], [], [(b, 0), None, np.zeros(16, np.float32), None,"
-                          " (b, 0), None]); p.run(1)"),
+    # embed with dim 0: the executor once divided the table size by row_bytes(.., 0) == 0 (SIGFPE)
+    "embed_dim0": ("p.add('embed', table=p.w(np.zeros(16, np.float32), 'f32', 4, 0),"
+                   " out=p.a('b', -1, 0))"),
+    # a constant row count so large that the extent M*K*4 wrapped to 0 in int64: accepted, then
+    # the kernel walked 2**62 rows at run (SIGSEGV)
+    "rows_overflow": ("r = p.a('b', 2**62, 1); p.add('add', a=r, b=r, out=r); p.run(1)"),
+    # the same wrap-around hid a weight far too small: N*row_bytes and T*N*4 both wrapped to 0
+    "matmul_n_overflow": ("p.add('matmul', x=p.a('b', -1, 16), w=p.w(np.zeros(16, np.float32), 'f32', 2**60, 16),"
+                          " out=p.a('b', -1, 2**60)); p.run(1)"),
+    "packed_group_overflow": ("p.add('matmul', x=p.a('b', -1, 64), w=p.w(np.zeros(64, np.uint8), 'pk_i8', 16, 64,"
+                              " 2**62), out=p.a('b', -1, 16)); p.run(1)"),
 }
 
 
@@ -877,7 +937,7 @@ def test_boundary_input_never_crashes(case):
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         from test_kernels import Prog
         p = Prog("ref", 1, T=4, scratch=64)
-        b = p.ex.alloc_buffer(4096)
+        p.buf("b", n=1024)
         try:
             {_CRASHERS[case]}
         except ValueError:

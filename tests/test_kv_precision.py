@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from llamajet import LLM, RequestError, SamplingParams, ops
-from llamajet.graph.lower import KV_DTYPES, KVLayout
+from llamajet.graph.lower import KVLayout
 from llamajet.ops import OPS, ROWS_TOKENS, Executor, ref
 
 ISAS = ops.supported_isas()
@@ -116,9 +116,20 @@ class KVProg:
     def rows(self, bid):
         return self.ex.buffer(bid).copy().reshape(self.nslots, self.rb)
 
-    def add(self, op, ints, floats, opnd):
-        self.ex.add_op(OPS[op], KV_DTYPES[self.dtype], ROWS_TOKENS, list(ints), list(floats),
-                       [None if o is None else (o, 0) for o in opnd])
+    def act(self, bid, cols, dtype="f32"):
+        return ops.Ref.in_buffer(bid, 0, ops.dtype(dtype), ROWS_TOKENS, cols)
+
+    def pools(self, kp, vp):
+        """The k_pool / v_pool fields: [nslots, kv_dim] of the KV type, group = head_dim."""
+        code = ops.KV_DTYPES[self.dtype]
+        return {f: ops.Ref.in_buffer(b, 0, code, self.nslots, self.kvh * self.hd, self.hd)
+                for f, b in (("k_pool", kp), ("v_pool", vp))}
+
+    def add(self, op, **fields):
+        p = OPS[op]()
+        for k, v in fields.items():
+            setattr(p, k, v)
+        self.ex.add(p)
 
 
 # ------------------------------------------------------------------ kv_write
@@ -153,7 +164,7 @@ def test_kv_write_stores_the_exact_conversion(dtype, isa, nth):
         p = KVProg(isa, nth, dtype, kvh, hd, T=T, B=8, nslots=nslots)
         kb, vb = p.buf(k), p.buf(v)
         kp, vp = p.pool(), p.pool()
-        p.add("kv_write", [kvd, kvh], [], [kb, vb, None, None, kp, vp])
+        p.add("kv_write", k=p.act(kb, kvd), v=p.act(vb, kvd), kv_heads=kvh, head_dim=hd, **p.pools(kp, vp))
         z = np.zeros(T, np.int32)
         p.ex.run(i32(z), i32(z), i32(slots), i32(z), i32(np.zeros((1, 1))), i32([]))
         for pool, src in ((kp, k), (vp, v)):
@@ -242,8 +253,9 @@ def test_attention_over_every_kv_type(dtype, isa, nth, H, KVH, hd, bs):
         kpool = ref.k_pool_from_rows_i8(kpool, KVH, hd, bs)
     kp, vp = p.buf(kpool), p.buf(vpool)
     out = p.buf(nbytes=40 * H * hd * 4, fill=0xFF)
-    p.add("kv_write", [kvd, KVH], [], [kb, vb, None, None, kp, vp])
-    p.add("attention", [H, KVH, hd, bs], [scale], [qb, None, kp, vp, out, None])
+    p.add("kv_write", k=p.act(kb, kvd), v=p.act(vb, kvd), kv_heads=KVH, head_dim=hd, **p.pools(kp, vp))
+    p.add("attention", q=p.act(qb, H * hd), out=p.act(out, H * hd), heads=H, kv_heads=KVH, head_dim=hd, scale=scale,
+          **p.pools(kp, vp))
     p.ex.run(i32(np.zeros(T)), i32(positions), i32(slots), i32(seq_of), i32(bt), i32([]))
     got = p.ex.buffer(out).view(np.float32)[: T * H * hd].reshape(T, H * hd)
     for s in range(S):
@@ -280,10 +292,11 @@ def test_int8_k_pool_layout_helpers_invert_each_other():
 def test_bad_kv_configs_are_refused():
     p = KVProg(ISAS[0], 1, "int8", 2, 8, T=4, B=1, nslots=16, scratch=16)
     k, kp = p.buf(np.zeros((4, 16), np.float32)), p.pool()
-    with pytest.raises(ValueError, match="kv_heads"):
-        p.add("kv_write", [16, 0], [], [k, k, None, None, kp, kp])  # int8 needs the head count
+    with pytest.raises(ValueError, match="kv_heads"):  # the head count is part of the pool's shape
+        p.add("kv_write", k=p.act(k, 16), v=p.act(k, 16), kv_heads=0, head_dim=8, **p.pools(kp, kp))
+    q4 = {f: ops.Ref.in_buffer(kp, 0, ops.DType.Q4_0, 16, 32, 8) for f in ("k_pool", "v_pool")}
     with pytest.raises(ValueError, match="KV storage type"):
-        p.ex.add_op(OPS["kv_write"], 3, ROWS_TOKENS, [16, 2], [], [(k, 0), (k, 0), None, None, (kp, 0), (kp, 0)])
+        p.add("kv_write", k=p.act(k, 16), v=p.act(k, 16), kv_heads=2, head_dim=8, **q4)
 
     from llamajet.engine.config import EngineConfig
 

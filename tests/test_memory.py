@@ -2,6 +2,13 @@
 the loader (or the one packing pass) put them, and RSS does not grow with
 the tokens generated beyond the KV cache they fill.
 
+"Nothing allocated in a step" is counted two ways: the executor's own
+buffers (arena, KV pool, scratch: `allocations`, grown only when ops are
+added), and every heap allocation (operator new) made by the extension's code
+while a step runs (`ops.step_allocations()`, counted by csrc/runtime/
+alloc_count.cpp on every thread of the step), which a kernel that allocates
+would increase.
+
 RSS is measured in a fresh subprocess (other tests in this process load
 models and leave allocator state behind, which would blur the numbers).
 """
@@ -21,8 +28,10 @@ MiB = 2**20
 # -- (a) no allocation inside a step
 
 
-def _allocations(llm) -> int:
-    return llm.engine.runner.exe.allocations
+def _allocations(llm) -> tuple[int, int]:
+    from llamajet import ops
+
+    return llm.engine.runner.exe.allocations, ops.step_allocations()
 
 
 def test_no_allocation_in_decode_or_prefill_steps(stories_hf):
@@ -31,7 +40,7 @@ def test_no_allocation_in_decode_or_prefill_steps(stories_hf):
     llm = LLM(stories_hf, max_model_len=512)
     at_init = _allocations(llm)
     # The runner allocates its buffers once (arena, KV pool, ...): a handful, not one per op.
-    assert 1 <= at_init <= len(llm.engine.runner.graph.nodes) // 4
+    assert 1 <= at_init[0] <= len(llm.engine.runner.graph.nodes) // 4
     greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     llm.generate("Once upon a time", greedy)  # warm-up
     assert _allocations(llm) == at_init
@@ -66,7 +75,8 @@ path = sys.argv[1]
 llm = LLM(path)
 r["loaded"] = rss()
 run = llm.engine.runner
-r["allocs_init"] = run.exe.allocations
+from llamajet import ops
+r["allocs_init"] = (run.exe.allocations, ops.step_allocations())
 greedy = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 prompt = "Once upon a time"
 llm.generate(prompt, greedy(8))  # warm-up: first touch of the arena, code pages, caches
@@ -75,9 +85,9 @@ out = llm.generate(prompt, greedy(64))
 r["after"] = rss()
 r["generated"] = len(out[0].token_ids)
 r["prompt_tokens"] = len(out[0].prompt_token_ids)
-r["allocs_after"] = run.exe.allocations
+r["allocs_after"] = (run.exe.allocations, ops.step_allocations())
 llm.generate(list(range(10, 310)), greedy(2))  # a 300-token prefill (two chunks)
-r["allocs_prefill"] = run.exe.allocations
+r["allocs_prefill"] = (run.exe.allocations, ops.step_allocations())
 
 cfg = run.config
 r["kv_bytes_per_token"] = 2 * cfg.num_layers * run.kv.row_bytes  # K and V rows, every layer
@@ -85,7 +95,7 @@ r["kv_pool_bytes"] = run.kv_pool_bytes  # committed at start (EngineConfig.kv_pr
 r["file_bytes"] = os.path.getsize(path)
 mm = llm.model.gguf_reader.data  # the reader's np.memmap of the whole file
 g = run.graph
-used = sorted({t for n in g.nodes for t in n.inputs if g.tensors[t].kind == "weight"})
+used = sorted({t for n in g.nodes for t in n.reads() if g.tensors[t].kind == "weight"})
 norms = [t for t in used if t.endswith("_norm")]
 r["norms"] = len(norms)
 r["norms_mapped"] = sum(bool(np.shares_memory(g.weights[t].data, mm)) for t in norms)

@@ -29,8 +29,12 @@ def _run_matmul(isa, nth, x, pw, a16):
     xb, ob = ex.alloc_buffer(4 * M * K), ex.alloc_buffer(4 * M * N)
     ex.buffer(xb).view(np.float32)[:] = x.ravel()
     ex.buffer(ob).view(np.float32)[:] = np.nan  # every output must be written
-    ex.add_op(ops.OPS["matmul"], ops.DTYPES[pw.dtype], ops.ROWS_TOKENS, [N, K, pw.group, int(a16)], [],
-              [(xb, 0), None, pw.data, None, (ob, 0), None])
+    p = ops.OPS["matmul"]()
+    p.x = ops.Ref.in_buffer(xb, 0, ops.DType.F32, ops.ROWS_TOKENS, K)
+    p.w = ops.Ref.from_array(pw.data, ops.dtype(pw.dtype), N, K, pw.group)
+    p.out = ops.Ref.in_buffer(ob, 0, ops.DType.F32, ops.ROWS_TOKENS, N)
+    p.float_act = a16
+    ex.add(p)
     z = np.zeros(M, np.int32)
     ex.run(z, z, z, z, np.zeros((1, 1), np.int32), np.zeros(0, np.int32))
     return ex.buffer(ob).view(np.float32).reshape(M, N).copy()
@@ -137,8 +141,14 @@ def test_cpp_activation_quantization_equals_numpy_bit_for_bit(isa, K, G):
     ex = _exe(isa, 2, M)
     xb, hb, qb = ex.alloc_buffer(4 * M * K), ex.alloc_buffer(4 * M * K), ex.alloc_buffer(qbytes)
     ex.buffer(xb).view(np.float32)[:] = x.ravel()
-    ex.add_op(ops.OPS["add_rmsnorm"], ops.DTYPES["f32"], ops.ROWS_TOKENS, [K, G], [1e-5],
-              [(xb, 0), None, w, None, (hb, 0), None, (qb, 0), None])
+    assert ops.tensor_bytes("q8_act", M, K, G) == qbytes  # the layout read back below
+    p = ops.OPS["add_rmsnorm"]()
+    p.x = ops.Ref.in_buffer(xb, 0, ops.DType.F32, ops.ROWS_TOKENS, K)
+    p.w = ops.Ref.from_array(w, ops.DType.F32, 1, K)
+    p.out = ops.Ref.in_buffer(hb, 0, ops.DType.F32, ops.ROWS_TOKENS, K)
+    p.qout = ops.Ref.in_buffer(qb, 0, ops.DType.Q8_ACT, ops.ROWS_TOKENS, K, G)
+    p.eps = 1e-5
+    ex.add(p)
     z = np.zeros(M, np.int32)
     ex.run(z, z, z, z, np.zeros((1, 1), np.int32), np.zeros(0, np.int32))
     h = ex.buffer(hb).view(np.float32).reshape(M, K).copy()
@@ -159,8 +169,10 @@ def test_cpp_activation_quantization_equals_numpy_bit_for_bit(isa, K, G):
         xb, qb = ex.alloc_buffer(4 * M * K), ex.alloc_buffer(qbytes)
         ex.buffer(xb).view(np.float32)[:] = x.ravel()
         ex.buffer(qb)[:] = 0xA5
-        ex.add_op(ops.OPS["quantize"], ops.DTYPES["f32"], ops.ROWS_TOKENS, [K, G], [],
-                  [(xb, 0), None, None, None, None, None, (qb, 0), None])
+        p = ops.OPS["quantize"]()
+        p.x = ops.Ref.in_buffer(xb, 0, ops.DType.F32, ops.ROWS_TOKENS, K)
+        p.out = ops.Ref.in_buffer(qb, 0, ops.DType.Q8_ACT, ops.ROWS_TOKENS, K, G)
+        ex.add(p)
         ex.run(z, z, z, z, np.zeros((1, 1), np.int32), np.zeros(0, np.int32))
         raw = ex.buffer(qb)
         np.testing.assert_array_equal(raw[:M * kpad].view(np.int8).reshape(M, kpad), wq)
@@ -177,8 +189,10 @@ def test_packed_embedding_rows(isa, scheme):
     tokens = np.array([0, 49, 17, 16, 15, 3], np.int32)
     ex = _exe(isa, 2, len(tokens))
     ob = ex.alloc_buffer(4 * len(tokens) * D)
-    ex.add_op(ops.OPS["embed"], ops.DTYPES[pw.dtype], ops.ROWS_TOKENS, [D, V, pw.group], [],
-              [None, None, pw.data, None, (ob, 0), None])
+    p = ops.OPS["embed"]()
+    p.table = ops.Ref.from_array(pw.data, ops.dtype(pw.dtype), V, D, pw.group)
+    p.out = ops.Ref.in_buffer(ob, 0, ops.DType.F32, ops.ROWS_TOKENS, D)
+    ex.add(p)
     z = np.zeros(len(tokens), np.int32)
     ex.run(tokens, z, z, z, np.zeros((1, 1), np.int32), np.zeros(0, np.int32))
     got = ex.buffer(ob).view(np.float32).reshape(len(tokens), D)
@@ -193,20 +207,40 @@ def test_packed_refusals():
     ex = _exe("ref", 1, 4)
     b = ex.alloc_buffer(4096)
     pw = quantize_rtn("w", np.ones((16, 64), np.float32), "int4_sym_g32")
+
+    big = np.zeros(8192, np.uint8)  # holds any of the weights below
+
+    def mm(n=16, group=32, data=pw.data, **kw):
+        p = ops.OPS["matmul"]()
+        p.x = ops.Ref.in_buffer(b, 0, ops.DType.F32, ops.ROWS_TOKENS, 64)
+        p.w = ops.Ref.from_array(data, ops.DType.PK_I4S, n, 64, group)
+        p.out = ops.Ref.in_buffer(b, 0, ops.DType.F32, ops.ROWS_TOKENS, n)
+        for k, v in kw.items():
+            setattr(p, k, v)
+        return p
+
     with pytest.raises(ValueError, match="group"):  # group not a multiple of 8
-        ex.add_op(ops.OPS["matmul"], ops.DTYPES["pk_i4s"], -1, [16, 64, 12, 0], [], [(b, 0), None, pw.data, None, (b, 0), None])
+        ex.add(mm(group=12, data=big))
     with pytest.raises(ValueError, match="too small"):  # packed data shorter than N, K, G imply
-        ex.add_op(ops.OPS["matmul"], ops.DTYPES["pk_i4s"], -1, [32, 64, 32, 0], [], [(b, 0), None, pw.data, None, (b, 0), None])
-    with pytest.raises(ValueError, match="epilogue"):
-        ex.add_op(ops.OPS["matmul"], ops.DTYPES["pk_i4s"], -1, [16, 64, 32, 0, 7], [], [(b, 0), None, pw.data, None, (b, 0), None])
+        ex.add(mm(n=32))
+    q8 = ops.Ref.in_buffer(b, 1024, ops.DType.Q8_ACT, ops.ROWS_TOKENS, 64, 32)
     with pytest.raises(ValueError, match="pre-quantized"):  # float activations cannot take int8 input
-        ex.add_op(ops.OPS["matmul"], ops.DTYPES["pk_i4s"], -1, [16, 64, 32, 1, 0, 1], [], [(b, 0), None, pw.data, None, (b, 0), None, (b, 0), None])
-    tiny = _exe("ref", 1, 64, scratch=64)  # scratch grows at add_op to what the op needs
+        ex.add(mm(x=ops.Ref(), qin=q8, prologue=ops.Prologue.PREQUANT, float_act=True))
+    with pytest.raises(ValueError, match="qin needs"):  # an int8 input without its prologue
+        ex.add(mm(qin=q8))
+    with pytest.raises(ValueError, match="group"):  # int8 input in another group than the weights'
+        ex.add(mm(x=ops.Ref(), qin=ops.Ref.in_buffer(b, 1024, ops.DType.Q8_ACT, ops.ROWS_TOKENS, 64, 16),
+                  prologue=ops.Prologue.PREQUANT))
+    assert ex.num_ops == 0
+    tiny = _exe("ref", 1, 64, scratch=64)  # scratch grows when an op is added, to what it needs
     tb = tiny.alloc_buffer(1 << 16)
     before = tiny.allocations
-    tiny.add_op(ops.OPS["matmul"], ops.DTYPES["pk_i4s"], -1, [16, 64, 32, 0], [], [(tb, 0), None, pw.data, None, (tb, 0), None])
+    p = mm()
+    p.x = ops.Ref.in_buffer(tb, 0, ops.DType.F32, ops.ROWS_TOKENS, 64)
+    p.out = ops.Ref.in_buffer(tb, 0, ops.DType.F32, ops.ROWS_TOKENS, 16)
+    tiny.add(p)
     assert tiny.allocations == before + 1
-    assert TILE_ROWS == 16
+    assert TILE_ROWS == ops.TILE == 16
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -236,8 +270,10 @@ def test_cpp_quantize_refusals():
         ops.quantize_packed("pk_i4s", 12, w)
     with pytest.raises(ValueError, match="size"):
         ops.dequantize_packed("pk_i8", 32, (16, 64), np.zeros(10, np.uint8))
-    with pytest.raises(KeyError):
+    with pytest.raises(ValueError, match="unknown storage type"):
         ops.quantize_packed("q4_7", 32, w)
+    with pytest.raises(ValueError, match="packed kind"):
+        ops.quantize_packed("q4_0", 32, w)
 
 
 WIDE = [i for i in ISAS if i in ("avx512", "amx")]

@@ -36,14 +36,13 @@ def _overlap(plan: MemoryPlan, a: str, b: str) -> bool:
 
 
 def _independent_lower_bound(g: Graph, plan: MemoryPlan) -> int:
-    """Most bytes live at one node, liveness recomputed here (not the planner's),
-    an in-place pair the plan granted counted once (it is one buffer)."""
+    """Most bytes live at one node, liveness recomputed here (not the planner's)."""
     start, end = {}, {}
     for j, n in enumerate(g.nodes):
-        for t in n.outputs:
+        for t in n.writes():
             if g.tensors[t].kind == "activation":
                 start[t] = end[t] = j
-        for t in n.inputs:
+        for t in n.reads():
             if t in start:
                 end[t] = j
     for t in g.outputs:
@@ -51,7 +50,7 @@ def _independent_lower_bound(g: Graph, plan: MemoryPlan) -> int:
     best = 0
     for j in range(len(g.nodes) + 1):
         live = {t for t in start if start[t] <= j <= end[t]}
-        best = max(best, sum(plan.sizes[t] for t in live if plan.aliases.get(t) not in live))
+        best = max(best, sum(plan.sizes[t] for t in live))
     return best
 
 
@@ -87,26 +86,13 @@ def test_checker_does_not_trust_the_plans_own_lifetimes():
         small.check(g)
 
 
-def test_checker_bounds_alignment_and_illegal_alias():
+def test_checker_bounds_and_alignment():
     g = _chain([16, 16])
     plan = plan_memory(g, {"T": 4})
     with pytest.raises(AssertionError, match="arena"):
         dataclasses.replace(plan, arena_bytes=plan.arena_bytes - ALIGN).check()
     with pytest.raises(AssertionError, match="arena"):
         dataclasses.replace(plan, offsets={**plan.offsets, "x0": 4}).check()
-    # writing y in place over x1 although a later node still reads x1
-    g = _inplace_graph(read_later=True)
-    plan = plan_memory(g, {"T": 8})
-    with pytest.raises(AssertionError, match="in-place"):
-        dataclasses.replace(plan, offsets={**plan.offsets, "y": plan.offsets["x1"]},
-                            aliases={"y": "x1"}).check()
-    # a legal-looking alias the node never allowed (its kernel may not run in place)
-    g = _chain([16, 16, 16])
-    plan = plan_memory(g, {"T": 8})
-    unasked = dataclasses.replace(plan, offsets={**plan.offsets, "x2": plan.offsets["x1"]}, aliases={"x2": "x1"})
-    unasked.check()
-    with pytest.raises(AssertionError, match="did not allow"):
-        unasked.check(g)
 
 
 # -- liveness rules
@@ -135,48 +121,6 @@ def test_multi_output_node_outputs_never_share():
     assert not _overlap(plan, "c", "a")  # c is written while a is read
 
 
-def _inplace_graph(read_later: bool = False, out_is_graph_output: bool = False, grow: bool = False) -> Graph:
-    g = _chain([16, 16])  # x0 -> x1
-    g.tensor("y", ("T", 32 if grow else 16))
-    g.add("norm", "op", ["x1"], ["y"], inplace={"y": "x1"})
-    g.tensor("z", ("T", 16))
-    g.add("last", "op", ["y", "x1"] if read_later else ["y"], ["z"])
-    g.outputs.append("z")
-    if out_is_graph_output:
-        g.outputs.append("x1")
-    return g
-
-
-def test_inplace_granted_when_the_input_dies_there():
-    g = _inplace_graph()
-    plan = plan_memory(g, {"T": 8})
-    assert plan.aliases == {"y": "x1"} and plan.offsets["y"] == plan.offsets["x1"]
-    plan.check(g)
-
-
-@pytest.mark.parametrize("why", ["read_later", "out_is_graph_output", "grow"])
-def test_inplace_refused_when_unsafe(why):
-    g = _inplace_graph(**{why: True})
-    plan = plan_memory(g, {"T": 8})
-    assert plan.aliases == {}
-    assert plan.offsets["y"] != plan.offsets["x1"]
-
-
-def test_inplace_chain_is_one_buffer():
-    g = Graph()
-    g.tensor("tokens", ("T",), "i32", kind="input")
-    names = ["a", "b", "c", "d"]
-    for t in names:
-        g.tensor(t, ("T", 16))
-    g.add("n0", "op", ["tokens"], ["a"])
-    for i in range(1, 4):
-        g.add(f"n{i}", "op", [names[i - 1]], [names[i]], inplace={names[i]: names[i - 1]})
-    g.outputs.append("d")
-    plan = plan_memory(g, {"T": 1})
-    assert len({plan.offsets[t] for t in names}) == 1
-    assert plan.arena_bytes == ALIGN  # 16 floats = one 64-byte line, reused by every op
-
-
 # -- random DAGs
 
 
@@ -184,8 +128,8 @@ def test_inplace_chain_is_one_buffer():
 def dags(draw):
     """Random DAG-shaped graphs: each node reads 1-3 earlier tensors (mostly
     recent ones: chains; sometimes old ones: long-lived fan-outs and skip
-    connections), writes 1-2 tensors of random widths, and may ask to write
-    in place over an input; a few tensors are graph outputs."""
+    connections), writes 1-2 tensors of random widths; a few tensors are
+    graph outputs."""
     g = Graph()
     g.tensor("tokens", ("T",), "i32", kind="input")
     avail = ["tokens"]
@@ -200,11 +144,7 @@ def dags(draw):
             width = draw(st.sampled_from([1, 3, 16, 17, 64, 100, 576, 1536]))
             shape = ("T", width) if draw(st.booleans()) else (draw(st.integers(1, 5)), width)
             outs.append(g.tensor(f"t{j}_{o}", shape))
-        attrs = {}
-        act_ins = [t for t in ins if t != "tokens"]
-        if act_ins and draw(st.integers(0, 3)) == 0:
-            attrs["inplace"] = {outs[0]: draw(st.sampled_from(act_ins))}
-        g.add(f"n{j}", "op", ins, outs, **attrs)
+        g.add(f"n{j}", "op", ins, outs)
         avail += outs
     acts = avail[1:]
     g.outputs += sorted(set(draw(st.lists(st.sampled_from(acts), max_size=3))))
@@ -222,9 +162,6 @@ def test_random_graphs_plan_is_valid_and_between_the_bounds(case):
     lower = _independent_lower_bound(g, plan)
     assert lower <= plan.arena_bytes
     assert plan.peak_live_bytes() == lower
-    for out, src in plan.aliases.items():  # granted in-place requests are real ones
-        node = g.nodes[plan.lifetimes[out][0]]
-        assert node.attrs["inplace"][out] == src
 
 
 # -- the real model: SmolLM2-135M, 30 layers

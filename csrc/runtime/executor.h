@@ -1,43 +1,29 @@
-// executor.h — runs a whole forward step (a Program of Ops) in one call.
+// executor.h — runs a whole forward step (a Program of typed ops) in one call.
 //
-// Python builds the Program once per (phase, shape bucket): every operand is
-// an offset into an executor-owned buffer (the activation arena, the KV pool)
-// or a weight array Python keeps alive. A step only copies the step inputs
-// (token ids, positions, KV slots, block tables) into pre-sized arrays and
-// runs every op on the thread pool, a barrier between ops. Nothing is
-// allocated inside a step.
+// Python builds the Program once per runner: each op is its family's params
+// struct (kernels/ops.h), whose tensor operands (Refs) name an executor-owned
+// buffer (the activation arena, the KV pool) and an offset, or a weight array
+// Python keeps alive. A step only copies the step inputs (token ids,
+// positions, KV slots, block tables) into pre-sized arrays and runs every op
+// on the thread pool, a barrier between ops. Nothing is allocated inside a
+// step (counted: step_allocations).
 #pragma once
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <string>
+#include <variant>
 #include <vector>
 
-#include "../common.h"
+#include "../kernels/ops.h"
 #include "threadpool.h"
 
 namespace lj {
 
-struct ExecConfig {
-  std::string isa;             // "ref" | "avx2" | "avx512"
-  int n_threads = 1;
-  int max_tokens = 1;          // tokens per step
-  int max_out = 1;             // rows of logits per step (<= max_tokens)
-  int max_seqs = 1;            // sequences per step
-  int max_blocks = 1;          // block-table columns per sequence
-  int64_t kv_slots = 0;        // slots in the KV pool (blocks * block_size)
-  int64_t block_size = 16;     // tokens per KV block
-  int64_t max_pos = 0;         // rows of the RoPE tables = max context
-  int64_t scratch_floats = 0;  // per-thread scratch, at least; add_op grows it to what each op needs
-};
-
-// An operand as Python hands it over: a buffer id and byte offset, or a raw
-// weight pointer with its size (checked against what the op will read).
-struct Operand {
-  int buffer = -1;       // executor buffer id, or -1 for external memory
-  int64_t offset = 0;    // bytes into the buffer
-  const void* ptr = nullptr;  // external memory (weights), when buffer == -1
-  int64_t nbytes = 0;         // size of the external memory
-};
+// Any op's params, by value.
+#define LJ_OP_TYPE(KIND, name, P, FIELDS, kernel) , P
+using AnyOp = std::variant<std::monostate LJ_OPS(LJ_OP_TYPE)>;
+#undef LJ_OP_TYPE
 
 class Executor {
  public:
@@ -51,16 +37,19 @@ class Executor {
   int64_t buffer_size(int id) const;
   int64_t allocations() const { return allocations_; }
 
-  // Appends an op. Operand order: x, x2, w, w2, out, out2, e0, e1 (unused: buffer -1,
-  // ptr null). Throws std::invalid_argument if any operand would be read or
-  // written outside its memory for the largest step this executor accepts.
-  void add_op(Op op, const Operand opnd[OP_OPERANDS]);
-  size_t num_ops() const { return ops_.size(); }
-  int op_kind(size_t k) const { return ops_.at(k).kind; }
+  // Appends an op. Every present operand is resolved and checked to hold its
+  // declared shape for the largest step this executor accepts; then the op
+  // family's rules relate the shapes and size its scratch. Throws
+  // std::invalid_argument ("<op>: <why>") on anything wrong; the Program is
+  // unchanged then.
+  template <class P>
+  void add(P p);
+  size_t num_ops() const { return slots_.size(); }
+  int op_kind(size_t k) const { return slots_.at(k).kind; }
 
   // Per-op wall time, measured by thread 0 from an op's start to the barrier
   // after it (so it includes waiting for the slowest thread). Off by default.
-  void set_profiling(bool on) { profiling_ = on; op_ns_.assign(ops_.size(), 0); steps_ = 0; }
+  void set_profiling(bool on) { profiling_ = on; op_ns_.assign(slots_.size(), 0); steps_ = 0; }
   const std::vector<int64_t>& op_ns() const { return op_ns_; }
   int64_t profiled_steps() const { return steps_; }
 
@@ -72,6 +61,7 @@ class Executor {
 
  private:
   static void job(void* self, int ith, int nth);
+  void resolve(Ref& r, const char* op, const char* name) const;
 
   ExecConfig cfg_;
   const KernelTable* table_;
@@ -81,10 +71,19 @@ class Executor {
     int64_t size = 0;
   };
   std::vector<Buffer> buffers_;
-  std::vector<Op> ops_;
+  // The Program: each op's params (a deque: their addresses never move) and
+  // the kernel to call with them.
+  struct Slot {
+    KernelFn fn;
+    const void* params;
+    int kind;
+  };
+  std::deque<AnyOp> params_;
+  std::vector<Slot> slots_;
   int64_t allocations_ = 0;
+  int64_t token_limit_ = -1;  // token ids must be below (the smallest embedding table)
   // step inputs, sized once at construction
-  std::vector<int32_t> tokens_, positions_, slots_, seq_of_token_, block_tables_, out_rows_;
+  std::vector<int32_t> tokens_, positions_, slots_in_, seq_of_token_, block_tables_, out_rows_;
   std::vector<float> scratch_;
   bool profiling_ = false;
   std::vector<int64_t> op_ns_;
@@ -93,5 +92,11 @@ class Executor {
 };
 
 const KernelTable* kernel_table(const std::string& isa);
+
+// Heap allocations made by C++ code of this extension while a step runs
+// (operator new from inside Executor::run on any of its threads): 0 is the
+// contract. Counted by a replacement operator new (alloc_count.cpp) that only
+// this module's code calls.
+int64_t step_allocations();
 
 }  // namespace lj

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from llamajet import ops
-from llamajet.graph.lower import KV_DTYPES, KVLayout, lower
+from llamajet.graph.lower import KVLayout, lower
 from llamajet.graph.planner import MemoryPlan, plan_memory
 from llamajet.loaders import LoadedModel
 from llamajet.graph.passes import FusionContext
@@ -50,8 +50,8 @@ class ModelRunner:
                  isa: str | None = None, kv_dtype: str = "f32", kernels: str = "fast",
                  scheme: str | None = None, fuse: bool = True, prefault_kv: bool = False) -> None:
         cfg = model.config
-        if kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_dtype={kv_dtype!r}: use one of {', '.join(KV_DTYPES)}")
+        if kv_dtype not in ops.KV_DTYPES:
+            raise ValueError(f"kv_dtype={kv_dtype!r}: use one of {', '.join(ops.KV_DTYPES)}")
         self.model = model
         self.config = cfg
         self.max_model_len = max_model_len
@@ -89,7 +89,9 @@ class ModelRunner:
         if prefault_kv:
             self.exe.buffer(kv_buf)[:] = 0
         self.kv = KVLayout(kv_buf, num_slots, cfg.num_kv_heads, cfg.head_dim, block_size, kv_dtype)
-        lower(self.graph, self.plan, self.exe, self.arena, self.kv, act_int8=kernels == "fast")
+        # packed matmuls run with float activations (W*A16) unless kernels="fast"
+        lower(self.graph, self.plan, self.exe, self.arena, self.kv,
+              defaults={"matmul": {"float_act": kernels != "fast"}})
         # The logits region of the arena, viewed once (valid after each step).
         arena = self.exe.buffer(self.arena)
         off = self.plan.offsets["logits"]

@@ -39,7 +39,7 @@ def to_dot(graph: Graph, plan: MemoryPlan | None = None, isa: str = "", *, act_i
             label = f"{t}{shape_str(spec.shape)}\\n{kind}"
             out.append(f"  {_q('t:' + t)} [shape=box, style=filled, fillcolor=lightgrey, label={_q(label)}];")
     for n in graph.nodes:
-        for t in n.inputs:
+        for t in n.reads():
             spec = graph.tensors[t]
             if spec.kind in ("input", "weight"):
                 if spec.kind == "weight" and not weights:

@@ -1,13 +1,19 @@
 """Graph IR: named nodes over typed, shaped tensors.
 
-A Graph is the model as data: ``model/llama.py`` builds it, passes rewrite
-it, the planner lays its activations out in one arena and ``graph/lower.py``
-turns it into the executor's Program. Node names follow GGUF
-(``blk.3.attn_norm``) so passes and debug dumps can address them.
+A Graph is the model as data: ``model/<architecture>.py`` builds it, passes
+rewrite it, the planner lays its activations out in one arena and
+``graph/lower.py`` turns it into the executor's Program. Node names follow
+GGUF (``blk.3.attn_norm``) so passes and debug dumps can address them.
+
+A node's operands are named: ``inputs`` and ``outputs`` map the fields of its
+op's params struct (csrc/kernels/*.inc, e.g. matmul's ``x``, ``w``, ``out``)
+to tensor names, and ``attrs`` holds the op's value fields (``eps``,
+``epilogue``, ...), so lowering is one generic rule (graph/lower.py) and a
+pass says ``mm.inputs["residual"] = x``, never "operand 3".
 
 Shapes may use two symbols resolved per step: ``T`` (tokens in the step) and
 ``O`` (rows whose logits are wanted). Tensor kinds:
-- ``input``: the step's token ids (supplied per run, not in the arena);
+- ``input``: the step's token ids (supplied per run, not an operand);
 - ``weight``: a loaded weight (or table) kept where the loader put it;
 - ``activation``: planned into the arena;
 - ``state``: a zero-size token that orders side effects (KV-cache writes).
@@ -16,7 +22,9 @@ Shapes may use two symbols resolved per step: ``T`` (tokens in the step) and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping, Sequence
+
+from llamajet import ops
 
 SYMBOLS = ("T", "O")
 
@@ -25,30 +33,49 @@ SYMBOLS = ("T", "O")
 class TensorSpec:
     name: str
     shape: tuple  # ints, or "T"/"O" for the step's token / output-row count
-    dtype: str = "f32"
+    dtype: str = "f32"  # a storage type name (ops.dtype): f32, i32, q8_act (int8 rows in groups)
     kind: str = "activation"  # input | weight | activation | state
+    group: int = 0  # q8_act: elements per scale group
 
     def nbytes(self, sizes: dict[str, int]) -> int:
         """Bytes for the largest step, with symbols resolved by `sizes`."""
         if self.kind == "state":
             return 0
-        n = 1
-        for d in self.shape:
-            n *= sizes[d] if isinstance(d, str) else d
-        return n * {"f32": 4, "i32": 4, "i8": 1}.get(self.dtype, 4)
+        dims = [sizes[d] if isinstance(d, str) else d for d in self.shape]
+        rows, cols = (dims[0], dims[-1]) if len(dims) > 1 else (dims[0] if dims else 1, 1)
+        for d in dims[1:-1]:
+            rows *= d
+        return ops.tensor_bytes(self.dtype, rows, cols, self.group)
 
 
 @dataclass
 class Node:
     name: str
     op: str
-    inputs: list[str]
-    outputs: list[str]
-    attrs: dict[str, Any] = field(default_factory=dict)
+    inputs: dict[str, str]    # params field -> tensor read
+    outputs: dict[str, str]   # params field -> tensor written
+    attrs: dict[str, Any] = field(default_factory=dict)  # params value fields (eps, epilogue, ...)
+
+    def reads(self) -> list[str]:
+        return list(self.inputs.values())
+
+    def writes(self) -> list[str]:
+        return list(self.outputs.values())
+
+    def field_of(self, tensor: str) -> str:
+        """The input field that reads `tensor`."""
+        return next(f for f, t in self.inputs.items() if t == tensor)
 
 
 class GraphError(ValueError):
     """The graph violates an invariant the verifier checks."""
+
+
+def _named(operands: Mapping[str, str] | Sequence[str], prefix: str) -> dict[str, str]:
+    # a plain list (synthetic ops in tests of the planner) is named by position
+    if isinstance(operands, Mapping):
+        return dict(operands)
+    return {f"{prefix}{i}": t for i, t in enumerate(operands)}
 
 
 class Graph:
@@ -58,41 +85,51 @@ class Graph:
         self.tensors: dict[str, TensorSpec] = {}
         self.nodes: list[Node] = []
         self.outputs: list[str] = []  # tensors read after the step (logits)
-        self.weights: dict[str, Any] = {}  # weight tensor name -> loader's WeightTensor
+        self.weights: dict[str, Any] = {}  # weight tensor name -> its Weight (formats)
 
     # -- building
 
-    def tensor(self, name: str, shape: tuple, dtype: str = "f32", kind: str = "activation") -> str:
+    def tensor(self, name: str, shape: tuple, dtype: str = "f32", kind: str = "activation", group: int = 0) -> str:
         if name in self.tensors:
             raise GraphError(f"tensor {name!r} defined twice")
-        self.tensors[name] = TensorSpec(name, tuple(shape), dtype, kind)
+        self.tensors[name] = TensorSpec(name, tuple(shape), dtype, kind, group)
         return name
 
     def weight(self, name: str, w) -> str:
-        """Registers loader weight `w` (a WeightTensor) under its canonical name."""
+        """Registers weight `w` under its canonical name."""
         if name not in self.tensors:
             self.tensors[name] = TensorSpec(name, tuple(w.shape), w.dtype, "weight")
             self.weights[name] = w
         return name
 
-    def add(self, name: str, op: str, inputs: list[str], outputs: list[str], **attrs) -> Node:
-        node = Node(name, op, list(inputs), list(outputs), attrs)
+    def add(self, name: str, op: str, inputs: Mapping[str, str] | Sequence[str],
+            outputs: Mapping[str, str] | Sequence[str], **attrs) -> Node:
+        node = Node(name, op, _named(inputs, "in"), _named(outputs, "out"), attrs)
         self.nodes.append(node)
+        return node
+
+    def insert(self, pos: int, node: Node) -> Node:
+        """Moves `node` (already in the graph, e.g. just added) to index `pos`."""
+        self.nodes.remove(node)
+        self.nodes.insert(pos, node)
         return node
 
     # -- queries
 
     def producers(self) -> dict[str, Node]:
-        return {t: n for n in self.nodes for t in n.outputs}
+        return {t: n for n in self.nodes for t in n.writes()}
 
     def consumers(self, tensor: str) -> list[Node]:
-        return [n for n in self.nodes if tensor in n.inputs]
+        return [n for n in self.nodes if tensor in n.inputs.values()]
 
     def node(self, name: str) -> Node:
         for n in self.nodes:
             if n.name == name:
                 return n
         raise KeyError(name)
+
+    def index(self, node: Node) -> int:
+        return next(i for i, n in enumerate(self.nodes) if n is node)
 
     def verify(self) -> None:
         """Checks: unique node names; every tensor declared; each activation has
@@ -104,13 +141,13 @@ class Graph:
             if n.name in seen_names:
                 raise GraphError(f"duplicate node name {n.name!r}")
             seen_names.add(n.name)
-            for t in n.inputs:
+            for t in n.reads():
                 spec = self.tensors.get(t)
                 if spec is None:
                     raise GraphError(f"{n.name}: input {t!r} is not declared")
                 if spec.kind in ("activation", "state") and t not in produced:
                     raise GraphError(f"{n.name}: input {t!r} is used before it is produced")
-            for t in n.outputs:
+            for t in n.writes():
                 spec = self.tensors.get(t)
                 if spec is None:
                     raise GraphError(f"{n.name}: output {t!r} is not declared")
@@ -126,21 +163,7 @@ class Graph:
     def __str__(self) -> str:
         lines = []
         for n in self.nodes:
-            ins = ", ".join(n.inputs)
-            outs = ", ".join(f"{t}{list(self.tensors[t].shape)}" for t in n.outputs)
+            ins = ", ".join(f"{f}={t}" for f, t in n.inputs.items())
+            outs = ", ".join(f"{f}={t}{list(self.tensors[t].shape)}" for f, t in n.outputs.items())
             lines.append(f"{n.name:28s} {n.op:10s} {outs} <- {ins}")
         return "\n".join(lines)
-
-
-@dataclass(frozen=True)
-class Constant:
-    """A tensor the graph builder computes itself (e.g. RoPE cos/sin tables);
-    registered in ``Graph.weights`` beside the loader's weights."""
-
-    name: str
-    data: Any  # np.ndarray, C-contiguous
-    dtype: str = "f32"
-
-    @property
-    def shape(self) -> tuple:
-        return tuple(self.data.shape)

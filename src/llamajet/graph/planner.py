@@ -10,16 +10,6 @@ node j's own outputs: kernels read their inputs while they write their
 outputs. Every output of a multi-output node is live at that node, so the
 outputs of one node never share memory either.
 
-In-place. A node may declare ``attrs["inplace"] = {output: input}``: its
-kernel is allowed (not obliged) to write `output` over `input` (an
-element-wise or row-wise op that reads each element before writing it). The
-planner then gives `output` the offset of `input` when that is safe: `input`
-is an activation whose last reader is this node (not a graph output), not
-already overwritten by another tensor, and at least as large. Aliased tensors
-form one buffer whose lifetime is the union of theirs. When unsafe, `output`
-gets its own memory, which the kernel handles as well. Lowering needs no
-change either way: it reads every operand's offset from the plan.
-
 Placement. Buffers are placed one at a time, each in the smallest free gap
 (best fit) between the already-placed buffers whose lifetimes intersect its
 own, else just above the highest of them. Two orders are tried and the
@@ -30,7 +20,7 @@ production order. Both are O(n^2) in the number of activations (~500 for a
 
 The checker (`MemoryPlan.check`) does not trust the placement: given the
 graph it recomputes liveness and sizes, then proves that no two tensors live
-at the same node share a byte (a declared, legal in-place pair excepted).
+at the same node share a byte.
 """
 
 from __future__ import annotations
@@ -49,7 +39,6 @@ class MemoryPlan:
     lifetimes: dict[str, tuple[int, int]]  # activation -> (first node, last node), inclusive
     arena_bytes: int
     naive_bytes: int           # sum of all activation sizes (no reuse)
-    aliases: dict[str, str] = field(default_factory=dict)  # output -> the input it overwrites in place
     symbols: dict[str, int] = field(default_factory=dict)  # the shape-symbol values planned for
     strategy: str = ""         # which placement order won
 
@@ -57,25 +46,20 @@ class MemoryPlan:
         return [t for t, (s, e) in self.lifetimes.items() if s <= j <= e]
 
     def peak_live_bytes(self) -> int:
-        """Lower bound on any valid arena: the most bytes live at one node
-        (an in-place pair counted once, as it shares one buffer)."""
+        """Lower bound on any valid arena: the most bytes live at one node."""
         if not self.lifetimes:
             return 0
         end = max(e for _, e in self.lifetimes.values())
         peak = 0
         for j in range(end + 1):
-            live = self.live_at(j)
-            # an output aliasing an input live at the same node adds nothing
-            peak = max(peak, sum(self.sizes[t] for t in live if self.aliases.get(t) not in live))
+            peak = max(peak, sum(self.sizes[t] for t in self.live_at(j)))
         return peak
 
     def check(self, graph: Graph | None = None) -> None:
         """Proves the plan valid; raises AssertionError otherwise.
 
         Without `graph`: every tensor lies inside the arena, aligned, and no
-        two tensors whose lifetimes intersect overlap in memory, except an
-        in-place pair (same offset, the input's life ends at the node where
-        the output's begins). With `graph`: also that the recorded lifetimes
+        two tensors whose lifetimes intersect overlap in memory. With `graph`: also that the recorded lifetimes
         and sizes cover the graph's real ones, recomputed here from scratch,
         so a liveness bug in the planner cannot hide behind its own records."""
         if graph is not None:
@@ -84,10 +68,6 @@ class MemoryPlan:
             if off < 0 or off % ALIGN or off + self.sizes[t] > self.arena_bytes:
                 raise AssertionError(f"{t}: [{off}, +{self.sizes[t]}) is misaligned or outside the "
                                      f"{self.arena_bytes}-byte arena")
-        for out, src in self.aliases.items():
-            if (self.offsets[out] != self.offsets[src] or self.sizes[out] > self.sizes[src]
-                    or self.lifetimes[src][1] != self.lifetimes[out][0]):
-                raise AssertionError(f"in-place {out} over {src} is not legal")
         # Sweep in offset order: once b starts at or past a's end, no later
         # tensor overlaps a (they start at b's offset or above).
         names = sorted(self.offsets, key=lambda t: (self.offsets[t], t))
@@ -100,22 +80,18 @@ class MemoryPlan:
                 if self.sizes[b] == 0:
                     continue  # an empty tensor overlaps nothing
                 lb = self.lifetimes[b]
-                if la[0] <= lb[1] and lb[0] <= la[1] and not self._legal_alias(a, b):
+                if la[0] <= lb[1] and lb[0] <= la[1]:
                     raise AssertionError(f"live tensors {a} {la} and {b} {lb} overlap in the arena")
-
-    def _legal_alias(self, a: str, b: str) -> bool:
-        # the pair was validated above; here it only matters that it is declared
-        return self.aliases.get(a) == b or self.aliases.get(b) == a
 
     def _check_covers(self, graph: Graph) -> None:
         end = len(graph.nodes)
         first: dict[str, int] = {}
         last: dict[str, int] = {}
         for j, n in enumerate(graph.nodes):
-            for t in n.outputs:
+            for t in n.writes():
                 if graph.tensors[t].kind == "activation":
                     first.setdefault(t, j)
-            for t in n.inputs:
+            for t in n.reads():
                 if t in first:
                     last[t] = j
         for t in graph.outputs:
@@ -131,9 +107,6 @@ class MemoryPlan:
             need = graph.tensors[t].nbytes(self.symbols)
             if self.sizes[t] < need:
                 raise AssertionError(f"{t}: {self.sizes[t]} bytes planned, {need} needed")
-        for out, src in self.aliases.items():  # only what a node asked for
-            if (graph.nodes[first[out]].attrs.get("inplace") or {}).get(out) != src:
-                raise AssertionError(f"{out} is planned over {src}, which its node did not allow")
 
 
 def _round_up(n: int, a: int = ALIGN) -> int:
@@ -145,32 +118,17 @@ def liveness(graph: Graph) -> dict[str, tuple[int, int]]:
     start: dict[str, int] = {}
     last: dict[str, int] = {}
     for idx, node in enumerate(graph.nodes):
-        for t in node.outputs:
+        for t in node.writes():
             if graph.tensors[t].kind == "activation":
                 start[t] = idx
                 last[t] = idx
-        for t in node.inputs:
+        for t in node.reads():
             if t in start:
                 last[t] = idx
     for t in graph.outputs:
         if t in start:
             last[t] = len(graph.nodes)
     return {t: (start[t], last[t]) for t in start}
-
-
-def _aliases(graph: Graph, life: dict[str, tuple[int, int]], nbytes: dict[str, int]) -> dict[str, str]:
-    """The in-place requests (attrs["inplace"]) that are safe to grant."""
-    aliases: dict[str, str] = {}
-    taken: set[str] = set()  # inputs already overwritten by some output
-    for idx, node in enumerate(graph.nodes):
-        for out, src in (node.attrs.get("inplace") or {}).items():
-            if (out in node.outputs and src in node.inputs and out in life and src in life
-                    and src not in taken and src not in node.outputs
-                    and life[src][1] == idx  # no later reader (graph outputs end past every node)
-                    and nbytes[out] <= nbytes[src]):
-                aliases[out] = src
-                taken.add(src)
-    return aliases
 
 
 def _place(order: list[int], life: list[tuple[int, int]], size: list[int]) -> tuple[list[int], int]:
@@ -199,31 +157,18 @@ def plan_memory(graph: Graph, sizes: dict[str, int]) -> MemoryPlan:
     `sizes` (values of the shape symbols, e.g. {"T": 256, "O": 64})."""
     life = liveness(graph)
     nbytes = {t: _round_up(graph.tensors[t].nbytes(sizes)) for t in life}
-    aliases = _aliases(graph, life, nbytes)
-
-    # Buffers: an in-place chain (x <- a <- b ...) is one buffer, sized by
-    # its root (each member is no larger than the one it overwrites).
-    root = {}
-    for t in sorted(life, key=lambda n: (life[n][0], n)):  # producers before consumers
-        root[t] = root[aliases[t]] if t in aliases else t
-    roots = sorted({r for r in root.values()}, key=lambda n: (life[n][0], n))
-    index = {r: i for i, r in enumerate(roots)}
-    b_life = [list(life[r]) for r in roots]
-    for t, r in root.items():
-        bl = b_life[index[r]]
-        bl[0], bl[1] = min(bl[0], life[t][0]), max(bl[1], life[t][1])
-    b_life_t = [tuple(x) for x in b_life]
-    b_size = [nbytes[r] for r in roots]
-
-    by_time = list(range(len(roots)))  # roots are sorted by production
-    by_size = sorted(by_time, key=lambda i: (-b_size[i], b_life_t[i][0]))
+    names = sorted(life, key=lambda n: (life[n][0], n))  # production order
+    b_life = [life[t] for t in names]
+    b_size = [nbytes[t] for t in names]
+    by_time = list(range(len(names)))
+    by_size = sorted(by_time, key=lambda i: (-b_size[i], b_life[i][0]))
     best = None
     for name, order in (("greedy-by-size", by_size), ("production-order", by_time)):
-        offs, top = _place(order, b_life_t, b_size)
+        offs, top = _place(order, b_life, b_size)
         if best is None or top < best[2]:
             best = (name, offs, top)
     strategy, offs, top = best
-    offsets = {t: offs[index[r]] for t, r in root.items()}
-    plan = MemoryPlan(offsets, nbytes, life, top, sum(nbytes.values()), aliases, dict(sizes), strategy)
+    offsets = {t: offs[i] for i, t in enumerate(names)}
+    plan = MemoryPlan(offsets, nbytes, life, top, sum(nbytes.values()), dict(sizes), strategy)
     plan.check(graph)
     return plan

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from llamajet.graph.ir import Constant, Graph, Node
+from llamajet.graph.ir import Graph, Node
 from llamajet.graph.planner import MemoryPlan
 
 
@@ -44,10 +44,10 @@ def kernel_name(graph: Graph, node: Node, isa: str, *, act_int8: bool = True, kv
         what = [f"kv {kv_dtype}"]  # the pool's storage type, not a weight's
     else:
         what = []
-        for t in node.inputs:
+        for f, t in node.inputs.items():
             w = graph.weights.get(t) if graph.tensors[t].kind == "weight" else None
-            if w is None or isinstance(w, Constant):
-                continue  # activations and builder tables (RoPE) are f32
+            if w is None or f in ("cos", "sin"):
+                continue  # activations and the RoPE tables are f32
             s = storage_name(w)
             if getattr(w, "group", None) and node.op != "embed":
                 s += " a8" if act_int8 else " a16"
@@ -58,7 +58,7 @@ def kernel_name(graph: Graph, node: Node, isa: str, *, act_int8: bool = True, kv
     # fused work around the main loop (graph/passes), e.g. prologue=prequant epilogue=qkv
     for k in ("prologue", "epilogue"):
         if node.attrs.get(k):
-            name += f" {k}={node.attrs[k]}"
+            name += f" {k}={node.attrs[k].name.lower()}"
     return name
 
 
@@ -69,8 +69,6 @@ def _out_cell(graph: Graph, plan: MemoryPlan | None, t: str) -> str:
     cell = f"{t}{'' if spec.dtype == 'f32' else ':' + spec.dtype}{shape_str(spec.shape)}"
     if plan is not None and t in plan.offsets:
         cell += f" @{plan.offsets[t]} +{plan.sizes[t]}"
-        if t in plan.aliases:
-            cell += f" (in place of {plan.aliases[t]})"
     return cell
 
 
@@ -80,8 +78,8 @@ def describe(graph: Graph, plan: MemoryPlan | None, isa: str, *, act_int8: bool 
     bytes into the arena (sizes rounded up to the planner's alignment)."""
     rows = []
     for j, n in enumerate(graph.nodes):
-        outs = "; ".join(_out_cell(graph, plan, t) for t in n.outputs)
-        ins = ", ".join(n.inputs) if inputs else ""
+        outs = "; ".join(_out_cell(graph, plan, t) for t in n.writes())
+        ins = ", ".join(n.reads()) if inputs else ""
         rows.append((str(j), n.name, n.op, kernel_name(graph, n, isa, act_int8=act_int8, kv_dtype=kv_dtype),
                      outs, ins))
     head = ("#", "node", "op", "kernel", "outputs  name[shape] @offset +bytes", "inputs" if inputs else "")
@@ -107,7 +105,7 @@ def totals(graph: Graph, plan: MemoryPlan) -> str:
     lower = plan.peak_live_bytes()
     ratio = plan.naive_bytes / plan.arena_bytes if plan.arena_bytes else float("inf")
     kind_list = ", ".join(f"{kinds[k]} {k}" for k in ("activation", "weight", "state", "input") if kinds[k])
-    read = {t for n in graph.nodes for t in n.inputs if graph.tensors[t].kind == "weight"}
+    read = {t for n in graph.nodes for t in n.reads() if graph.tensors[t].kind == "weight"}
     if len(read) < kinds["weight"]:  # e.g. matrices a fusion pass stacked into one
         kind_list += f"; {len(read)} weights read by a node"
     return "\n".join([
@@ -117,7 +115,7 @@ def totals(graph: Graph, plan: MemoryPlan) -> str:
         f"ratio:   arena is {ratio:.2f}x smaller than naive; peak live bytes at one node (lower bound) "
         f"{human_bytes(lower)}, arena = {plan.arena_bytes / lower if lower else 1.0:.3f}x of it",
         f"nodes:   {len(graph.nodes)} = parallel regions per step, one barrier each",
-        f"tensors: {len(graph.tensors)} ({kind_list}); {len(plan.aliases)} written in place",
+        f"tensors: {len(graph.tensors)} ({kind_list})",
     ])
 
 

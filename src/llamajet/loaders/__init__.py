@@ -59,6 +59,8 @@ class WeightTensor:
             raise ModelFormatError(f"{self.name}: storage shape {tuple(self.data.shape)} does not hold a "
                                    f"{self.dtype} tensor of shape {self.shape} (expected {self.storage_shape()})")
 
+    packed = False  # row-major storage (quant/pack.py PackedWeight: tiles)
+
     def storage_shape(self) -> tuple[int, ...]:
         if self.dtype not in GGML_BLOCKS:
             return tuple(self.shape)

@@ -4,34 +4,38 @@ Reads like the paper: per block,
     h = x + o_proj(attention(rope(q_proj(norm(x))), rope(k_proj(...)), v_proj(...)))
     x = h + down(silu(gate(norm(h))) * up(norm(h)))
 then the final norm and the LM head on the rows whose logits are wanted.
-Nothing here runs: it only describes. Names follow GGUF (``blk.3.attn_q``).
+Nothing here runs: it only describes. Names follow GGUF (``blk.3.attn_q``);
+operands are named by the fields of each op's params struct (graph/ir.py).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from llamajet import ops
 from llamajet.config import ModelConfig
-from llamajet.graph.ir import Constant, Graph
+from llamajet.graph.ir import Graph
 from llamajet.ops import ref
 
 
-def rope_tables(cfg: ModelConfig, max_pos: int) -> tuple[Constant, Constant]:
-    """cos/sin of position * inv_freq, [max_pos, head_dim/2] fp32.
+def rope_tables(cfg: ModelConfig, max_pos: int):
+    """cos/sin of position * inv_freq, [max_pos, head_dim/2] fp32 tables.
 
     Angles are formed in float64 (ops/ref.py) and rounded once, so positions in
     the thousands keep full fp32 accuracy (HF forms them in fp32; the
     difference is below fp32 resolution of the rotated values, ~1e-7 relative)."""
+    from llamajet.loaders import WeightTensor
+
     cos, sin = ref.rope_tables(cfg.rope_inv_freq(), max_pos)
-    return (Constant("rope_cos", np.ascontiguousarray(cos, np.float32)),
-            Constant("rope_sin", np.ascontiguousarray(sin, np.float32)))
+    c, s = (np.ascontiguousarray(a, np.float32) for a in (cos, sin))
+    return WeightTensor("rope_cos", "f32", c.shape, c), WeightTensor("rope_sin", "f32", s.shape, s)
 
 
 def build_graph(cfg: ModelConfig, weights: dict, max_pos: int) -> Graph:
     """The whole-step graph for any mix of prefill and decode tokens.
 
-    `weights` maps canonical names to loader WeightTensors; `max_pos` sizes
-    the RoPE tables (the longest context this engine will serve)."""
+    `weights` maps canonical names to loaded weights; `max_pos` sizes the
+    RoPE tables (the longest context this engine will serve)."""
     g = Graph()
     D, F = cfg.hidden_size, cfg.intermediate_size
     H, KVH, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -45,62 +49,65 @@ def build_graph(cfg: ModelConfig, weights: dict, max_pos: int) -> Graph:
     def act(name: str, *shape) -> str:
         return g.tensor(name, shape)
 
+    def matmul(name: str, x: str, weight: str, out: str) -> None:
+        g.add(name, "matmul", {"x": x, "w": w(weight)}, {"out": out})
+
     tokens = g.tensor("tokens", ("T",), "i32", kind="input")
     x = act("embd", "T", D)
-    g.add("token_embd", "embed", [w("token_embd"), tokens], [x])
+    g.add("token_embd", "embed", {"table": w("token_embd"), "tokens": tokens}, {"out": x})
 
     for i in range(cfg.num_layers):
         p = f"blk.{i}"
         # -- attention
         h = act(f"{p}.attn_norm.out", "T", D)
-        g.add(f"{p}.attn_norm", "rmsnorm", [x, w(f"{p}.attn_norm")], [h], eps=cfg.rms_norm_eps)
+        g.add(f"{p}.attn_norm", "rmsnorm", {"x": x, "w": w(f"{p}.attn_norm")}, {"out": h}, eps=cfg.rms_norm_eps)
         q = act(f"{p}.attn_q.out", "T", H * hd)
         k = act(f"{p}.attn_k.out", "T", KVH * hd)
         v = act(f"{p}.attn_v.out", "T", KVH * hd)
         for proj, out in (("attn_q", q), ("attn_k", k), ("attn_v", v)):
-            g.add(f"{p}.{proj}", "matmul", [h, w(f"{p}.{proj}")], [out])
+            matmul(f"{p}.{proj}", h, f"{p}.{proj}", out)
         qr = act(f"{p}.rope_q.out", "T", H * hd)
         kr = act(f"{p}.rope_k.out", "T", KVH * hd)
         for name, src, dst, heads, wn in (("rope_q", q, qr, H, "attn_q"), ("rope_k", k, kr, KVH, "attn_k")):
-            g.add(f"{p}.{name}", "rope", [src, cos.name, sin.name], [dst], heads=heads, head_dim=hd,
-                  interleaved=bool(getattr(weights[f"{p}.{wn}"], "rope_interleaved", False)))
-        kv = g.tensor(f"{p}.kv", (), kind="state")
-        g.add(f"{p}.kv_write", "kv_write", [kr, v], [kv], layer=i)
+            g.add(f"{p}.{name}", "rope", {"x": src, "cos": cos.name, "sin": sin.name}, {"out": dst},
+                  heads=heads, head_dim=hd, interleaved=bool(getattr(weights[f"{p}.{wn}"], "rope_interleaved", False)))
+        kv = g.tensor(f"{p}.kv", (), kind="state")  # orders the cache write before attention
+        g.add(f"{p}.kv_write", "kv_write", {"k": kr, "v": v}, {"kv": kv}, layer=i, kv_heads=KVH, head_dim=hd)
         a = act(f"{p}.attn.out", "T", H * hd)
-        g.add(f"{p}.attn", "attention", [qr, kv], [a], layer=i, heads=H, kv_heads=KVH, head_dim=hd,
-              scale=1.0 / float(np.sqrt(hd)))
+        g.add(f"{p}.attn", "attention", {"q": qr, "kv": kv}, {"out": a}, layer=i, heads=H, kv_heads=KVH,
+              head_dim=hd, scale=1.0 / float(np.sqrt(hd)))
         o = act(f"{p}.attn_output.out", "T", D)
-        g.add(f"{p}.attn_output", "matmul", [a, w(f"{p}.attn_output")], [o])
+        matmul(f"{p}.attn_output", a, f"{p}.attn_output", o)
         x_attn = act(f"{p}.attn_residual.out", "T", D)
-        g.add(f"{p}.attn_residual", "add", [x, o], [x_attn])
+        g.add(f"{p}.attn_residual", "add", {"a": x, "b": o}, {"out": x_attn})
         # -- feed-forward (SwiGLU)
         h2 = act(f"{p}.ffn_norm.out", "T", D)
-        g.add(f"{p}.ffn_norm", "rmsnorm", [x_attn, w(f"{p}.ffn_norm")], [h2], eps=cfg.rms_norm_eps)
+        g.add(f"{p}.ffn_norm", "rmsnorm", {"x": x_attn, "w": w(f"{p}.ffn_norm")}, {"out": h2}, eps=cfg.rms_norm_eps)
         gate = act(f"{p}.ffn_gate.out", "T", F)
         up = act(f"{p}.ffn_up.out", "T", F)
-        g.add(f"{p}.ffn_gate", "matmul", [h2, w(f"{p}.ffn_gate")], [gate])
-        g.add(f"{p}.ffn_up", "matmul", [h2, w(f"{p}.ffn_up")], [up])
+        matmul(f"{p}.ffn_gate", h2, f"{p}.ffn_gate", gate)
+        matmul(f"{p}.ffn_up", h2, f"{p}.ffn_up", up)
         s = act(f"{p}.ffn_swiglu.out", "T", F)
-        g.add(f"{p}.ffn_swiglu", "swiglu", [gate, up], [s])
+        g.add(f"{p}.ffn_swiglu", "swiglu", {"gate": gate, "up": up}, {"out": s})
         d = act(f"{p}.ffn_down.out", "T", D)
-        g.add(f"{p}.ffn_down", "matmul", [s, w(f"{p}.ffn_down")], [d])
+        matmul(f"{p}.ffn_down", s, f"{p}.ffn_down", d)
         x_out = act(f"{p}.ffn_residual.out", "T", D)
-        g.add(f"{p}.ffn_residual", "add", [x_attn, d], [x_out])
+        g.add(f"{p}.ffn_residual", "add", {"a": x_attn, "b": d}, {"out": x_out})
         x = x_out
 
     # -- head: only the rows whose logits are wanted (the last token of each
     # sequence while generating; every row when scoring)
     xo = act("output_gather.out", "O", D)
-    g.add("output_gather", "gather", [x], [xo])
+    g.add("output_gather", "gather", {"x": x}, {"out": xo})
     n = act("output_norm.out", "O", D)
-    g.add("output_norm", "rmsnorm", [xo, w("output_norm")], [n], eps=cfg.rms_norm_eps)
+    g.add("output_norm", "rmsnorm", {"x": xo, "w": w("output_norm")}, {"out": n}, eps=cfg.rms_norm_eps)
     head = "output" if "output" in weights else "token_embd"  # tied embeddings
     logits = act("logits", "O", cfg.vocab_size)
-    g.add("output", "matmul", [n, w(head)], [logits])
+    matmul("output", n, head, logits)
     # greedy ids: each logits row's argmax, made by the step's threads (numpy's
     # argmax over 16 rows of 49152 logits took 0.17-0.20 ms, single-threaded)
     greedy = g.tensor("greedy", ("O",), "i32")
-    g.add("output_argmax", "argmax", [logits], [greedy])
+    g.add("output_argmax", "argmax", {"x": logits}, {"out": greedy})
     g.outputs += [logits, greedy]
     g.verify()
     return g

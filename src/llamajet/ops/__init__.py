@@ -1,7 +1,11 @@
 """The bridge to the C++ core: the only module that imports ``llamajet._core``.
 
-Constants here mirror ``csrc/common.h`` (op kinds, storage types, row codes);
-``Executor`` is the C++ executor; ``ref`` holds the numpy twin of every op.
+Every code comes from the extension, never re-declared here: storage types
+(``DType``; Python names them by the lower-cased member name, e.g. ``"pk_i4a"``),
+op kinds, matmul epilogues and prologues, the KV cache types by option name
+(``KV_DTYPES``), the size rules (``tensor_bytes``) and one params class per
+op family (``OPS[name]``, fields by name; see csrc/kernels/ops.h). ``ref``
+holds the numpy twin of every op.
 """
 
 from __future__ import annotations
@@ -12,58 +16,77 @@ from llamajet import _core
 from llamajet.ops.dispatch import default_threads, resolve_isa, supported_isas
 
 Executor = _core.Executor
+Ref = _core.Ref
+DType = _core.DType
+OpKind = _core.OpKind
+Epilogue = _core.Epilogue
+Prologue = _core.Prologue
 cpu_features = _core.cpu_features
+step_allocations = _core.step_allocations
 
-# Storage types (csrc/common.h DType).
-DTYPES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 5,
-          # packed tile-interleaved schemes (quant/pack.py)
-          "pk_i4s": 6, "pk_i4a": 7, "pk_i8": 8}
-QUANT_BLOCK = 32  # elements per GGML block
-_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
-
-# Op kinds (csrc/common.h OpKind).
-OPS = {
-    "embed": 0,
-    "rmsnorm": 1,
-    "matmul": 2,
-    "rope": 3,
-    "kv_write": 4,
-    "attention": 5,
-    "swiglu": 6,
-    "add": 7,
-    "gather": 8,
-    "add_rmsnorm": 9,
-    "quantize": 10,
-    "argmax": 11,
-}
-
-# Leading-dimension codes resolved per step by the executor.
-ROWS_TOKENS = -1
-ROWS_OUT = -2
+OPS: dict[str, type] = dict(_core.OPS)          # graph op name -> params class
+KV_DTYPES: dict[str, DType] = dict(_core.KV_DTYPES)  # KV cache option name -> storage type
+TILE: int = _core.TILE                          # rows per packed tile
+QK: int = _core.QK                              # elements per GGML quant block
+ROWS_TOKENS: int = _core.ROWS_TOKENS            # a Ref's rows: the step's token count
+ROWS_OUT: int = _core.ROWS_OUT                  # a Ref's rows: the step's logits rows
 
 
-def row_bytes(dtype: str, k: int) -> int:
-    """Bytes one row of k elements takes in storage type `dtype`."""
-    if dtype in _BLOCK_BYTES:
-        if k % QUANT_BLOCK:
-            raise ValueError(f"{dtype} rows need a multiple of {QUANT_BLOCK} elements, got {k}")
-        return k // QUANT_BLOCK * _BLOCK_BYTES[dtype]
-    return k * {"f32": 4, "f16": 2, "bf16": 2}[dtype]
+def dtype(name: str | DType) -> DType:
+    """The storage type called `name` ("f32", "q4_1", "pk_i4a", "q8_act", ...)."""
+    if isinstance(name, DType):
+        return name
+    try:
+        return DType[name.upper()]
+    except KeyError:
+        known = ", ".join(m.name.lower() for m in DType)
+        raise ValueError(f"unknown storage type {name!r}; known: {known}") from None
 
 
-def quantize_packed(dtype: str, group: int, w: np.ndarray, isa: str | None = None,
+def dtype_name(code: DType | int) -> str:
+    return DType(int(code)).name.lower()
+
+
+def tensor_bytes(dt: str | DType, rows: int, cols: int, group: int = 0) -> int:
+    """Bytes of a [rows, cols] tensor of storage type `dt` (the executor's rule)."""
+    n = _core.tensor_bytes(dtype(dt), rows, cols, group)
+    if n < 0:
+        raise ValueError(f"{dtype_name(dtype(dt))} cannot hold a [{rows}, {cols}] tensor (group {group})"
+                         + (f": rows need a multiple of {QK} elements" if dtype(dt) in GGML_BLOCK_TYPES else ""))
+    return n
+
+
+def row_bytes(dt: str | DType, k: int) -> int:
+    """Bytes one row of k elements takes in a row-major storage type."""
+    return tensor_bytes(dt, 1, k)
+
+
+GGML_BLOCK_TYPES = frozenset(t for t in DType if _core.ggml_block_bytes(t) > 0)
+
+
+def ggml_block_bytes(dt: str | DType) -> int:
+    """Bytes of one GGML block of QK elements (q8_0: 34, ...)."""
+    return _core.ggml_block_bytes(dtype(dt))
+
+
+def packed_block_bytes(dt: str | DType, group: int) -> int:
+    """Bytes of one (16-row tile, group) block of a packed storage type."""
+    return _core.packed_block_bytes(dtype(dt), group)
+
+
+def quantize_packed(dt: str | DType, group: int, w: np.ndarray, isa: str | None = None,
                     n_threads: int | None = None) -> np.ndarray:
-    """C++ RTN quantization of float32 w [N, K] into packed `dtype` ("pk_i4s",
+    """C++ RTN quantization of float32 w [N, K] into packed `dt` ("pk_i4s",
     "pk_i4a", "pk_i8"): uint8 [tiles, groups, block bytes], equal bit for bit
-    to quant.pack.quantize_rtn's data."""
+    to formats.packed.quantize_rtn's data."""
     w = np.ascontiguousarray(w, dtype=np.float32)
-    return _core.quantize_packed(resolve_isa(isa), DTYPES[dtype], group, w, n_threads or default_threads())
+    return _core.quantize_packed(resolve_isa(isa), dtype(dt), group, w, n_threads or default_threads())
 
 
-def dequantize_packed(dtype: str, group: int, shape: tuple[int, int], packed: np.ndarray,
+def dequantize_packed(dt: str | DType, group: int, shape: tuple[int, int], packed: np.ndarray,
                       isa: str | None = None, n_threads: int | None = None) -> np.ndarray:
     """C++ dequantization of a packed weight to float32 [N, K]."""
-    return _core.dequantize_packed(resolve_isa(isa), DTYPES[dtype], group, shape[0], shape[1],
+    return _core.dequantize_packed(resolve_isa(isa), dtype(dt), group, shape[0], shape[1],
                                    np.ascontiguousarray(packed), n_threads or default_threads())
 
 
@@ -73,7 +96,8 @@ def i32(a) -> np.ndarray:
 
 
 __all__ = [
-    "DTYPES", "Executor", "OPS", "QUANT_BLOCK", "ROWS_OUT", "ROWS_TOKENS", "cpu_features",
-    "default_threads", "dequantize_packed", "i32", "quantize_packed", "resolve_isa", "row_bytes",
-    "supported_isas",
+    "DType", "Epilogue", "Executor", "GGML_BLOCK_TYPES", "KV_DTYPES", "OPS", "OpKind", "Prologue", "QK",
+    "ROWS_OUT", "ROWS_TOKENS", "Ref", "TILE", "cpu_features", "default_threads", "dequantize_packed", "dtype",
+    "dtype_name", "ggml_block_bytes", "i32", "packed_block_bytes", "quantize_packed", "resolve_isa", "row_bytes",
+    "step_allocations", "supported_isas", "tensor_bytes",
 ]

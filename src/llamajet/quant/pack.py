@@ -53,6 +53,8 @@ class PackedWeight:
     version: int = FORMAT_VERSION
     rope_interleaved: bool = False  # carried over from the loaded weight (see loaders)
 
+    packed = True  # tile-interleaved storage (loaders.WeightTensor: row-major)
+
     @property
     def dtype(self) -> str:  # the kernels' storage type name
         return self.scheme.kind

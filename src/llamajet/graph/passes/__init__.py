@@ -1,7 +1,9 @@
 """Fusion passes over the Graph IR, one file each.
 
-Each pass is a pattern rewrite that checks its legality rules first and
-leaves the graph unchanged where one fails:
+Each pass is a pattern rewrite, matched by structure (the producers and
+readers of tensors, the roles of named operands), never by node names. It
+checks its legality rules first and leaves the graph unchanged where one
+fails:
   - no cycle: the fused node takes the place of the pattern's first node, and
     every input it reads is produced before that place;
   - an intermediate the fusion removes has no consumer outside the pattern;
@@ -29,22 +31,21 @@ class FusionContext:
     act_int8: bool = True   # packed matmuls take int8 activations (W*A8)
 
 
+PASSES = ("qkv", "gate_up", "residual", "norm_head", "add_rmsnorm", "attn_quant", "ffn_quant")
+
+
 def fuse(graph: Graph, ctx: FusionContext | None = None, only: tuple[str, ...] | None = None) -> list[str]:
     """Runs the passes (or those named in `only`) in order; returns the log."""
-    from llamajet.graph.passes import add_rmsnorm, attn_quant, ffn_quant, gate_up, norm_head, qkv, residual
+    from importlib import import_module
 
     ctx = ctx or FusionContext()
-    passes = [("qkv", qkv.run), ("gate_up", gate_up.run), ("residual", residual.run),
-              ("norm_head", norm_head.run), ("add_rmsnorm", add_rmsnorm.run), ("attn_quant", attn_quant.run),
-              ("ffn_quant", ffn_quant.run)]
     log: list[str] = []
-    for name, p in passes:
+    for name in PASSES:
         if only is None or name in only:
-            log += p(graph, ctx)
+            log += import_module(f"llamajet.graph.passes.{name}").run(graph, ctx)
     # weights no node reads any more (the unstacked q/k/v, gate/up) are dropped,
     # so the stacked copies are the only ones kept alive
-    used = {t for n in graph.nodes for t in n.inputs} | {v for n in graph.nodes for v in n.attrs.values()
-                                                          if isinstance(v, str)}
+    used = {t for n in graph.nodes for t in n.reads()}
     for w in [w for w in graph.weights if w not in used]:
         del graph.weights[w]
         del graph.tensors[w]

@@ -14,37 +14,32 @@ nobody, is not written at all).
 from __future__ import annotations
 
 from llamajet.graph.ir import Graph
-from llamajet.graph.passes._match import index, prequant_copy, quant_readers
+from llamajet.graph.passes._match import prequant_copy, quant_readers
 
 
 def run(graph: Graph, ctx) -> list[str]:
     log = []
     for norm in [n for n in graph.nodes if n.op == "rmsnorm"]:
-        x, w = norm.inputs
-        h = norm.outputs[0]
-        prod = graph.producers()
-        add = prod.get(x)
-        fuse_add = add is not None and add.op == "add" and graph.tensors[add.outputs[0]].shape == graph.tensors[h].shape
+        x, w, h = norm.inputs["x"], norm.inputs["w"], norm.outputs["out"]
+        add = graph.producers().get(x)
+        fuse_add = add is not None and add.op == "add" and graph.tensors[add.outputs["out"]].shape == graph.tensors[h].shape
         group = quant_readers(graph, h, ctx)
         if not fuse_add and group is None:
             continue
-        inputs, outs = ([add.inputs[0], add.inputs[1], w] if fuse_add else [x, w]), {}
-        name = norm.name
-        pos = index(graph, add) if fuse_add else index(graph, norm)
+        inputs = {"x": add.inputs["a"], "d": add.inputs["b"], "w": w} if fuse_add else {"x": x, "w": w}
+        outs = {}
+        pos = graph.index(add) if fuse_add else graph.index(norm)
         if group is not None:
-            outs["q"] = prequant_copy(graph, h, name, group)
+            outs["qout"] = prequant_copy(graph, h, norm.name, group)
         if graph.consumers(h):
-            outs["h"] = h
+            outs["out"] = h
         else:
             del graph.tensors[h]
         if fuse_add:
-            outs["r"] = add.outputs[0]
+            outs["sum"] = add.outputs["out"]
             graph.nodes.remove(add)
         graph.nodes.remove(norm)
-        fused = graph.add(name, "add_rmsnorm", inputs, [t for t in (outs.get("h"), outs.get("r"), outs.get("q")) if t],
-                          eps=norm.attrs["eps"], has_add=fuse_add, group=group or 0, outs=outs)
-        graph.nodes.remove(fused)
-        graph.nodes.insert(pos, fused)
+        graph.insert(pos, graph.add(norm.name, "add_rmsnorm", inputs, outs, eps=norm.attrs["eps"]))
         what = ("add + " if fuse_add else "") + "rmsnorm" + (f" + int8 g{group} on write" if group else "")
-        log.append(f"add_rmsnorm: {name}: {what}")
+        log.append(f"add_rmsnorm: {norm.name}: {what}")
     return log

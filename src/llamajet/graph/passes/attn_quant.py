@@ -21,13 +21,10 @@ from llamajet.graph.passes._match import prequant_copy, quant_readers
 def run(graph: Graph, ctx) -> list[str]:
     log = []
     for att in [n for n in graph.nodes if n.op == "attention"]:
-        a = att.outputs[0]
+        a = att.outputs["out"]
         group = quant_readers(graph, a, ctx)
-        hd = att.attrs["head_dim"]
-        if group is None or hd % group or group % 8:
+        if group is None or att.attrs["head_dim"] % group or group % 8:
             continue
-        aq = prequant_copy(graph, a, att.name, group)
-        att.outputs.append(aq)
-        att.attrs.update(q_group=group, qout=aq)
+        att.outputs["qout"] = prequant_copy(graph, a, att.name, group)
         log.append(f"attn_quant: {att.name}: int8 g{group} on write")
     return log

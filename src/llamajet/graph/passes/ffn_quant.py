@@ -18,22 +18,22 @@ quantize op only.
 
 from __future__ import annotations
 
+from llamajet import ops
 from llamajet.graph.ir import Graph
-from llamajet.graph.passes._match import index, prequant_copy, quant_readers
+from llamajet.graph.passes._match import prequant_copy, quant_readers
 
 
 def run(graph: Graph, ctx) -> list[str]:
     log = []
     for mm in [n for n in graph.nodes
-               if n.op == "swiglu" or (n.op == "matmul" and n.attrs.get("epilogue") == "swiglu")]:
-        a = mm.outputs[0]
+               if n.op == "swiglu" or (n.op == "matmul" and n.attrs.get("epilogue") == ops.Epilogue.SWIGLU)]:
+        a = mm.outputs["out"]
         group = quant_readers(graph, a, ctx)
         if group is None or group % 8:
             continue
         readers = graph.consumers(a)
         aq = prequant_copy(graph, a, mm.name, group)
-        node = graph.add(f"{mm.name}.quantize", "quantize", [a], [aq], group=group)
-        graph.nodes.remove(node)
-        graph.nodes.insert(index(graph, mm) + 1, node)
+        node = graph.add(f"{mm.name}.quantize", "quantize", {"x": a}, {"out": aq})
+        graph.insert(graph.index(mm) + 1, node)
         log.append(f"ffn_quant: {mm.name} -> int8 g{group} for {', '.join(r.name for r in readers)}")
     return log

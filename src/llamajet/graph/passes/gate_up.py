@@ -9,34 +9,34 @@ K; F (rows of each) a whole number of 16-row tiles.
 
 from __future__ import annotations
 
+from llamajet import ops
+from llamajet.formats.stack import interleave_tiles, same_kind
 from llamajet.graph.ir import Graph
-from llamajet.graph.passes._match import index, interleave_tiles, only_consumer, same_kind
-from llamajet.quant.schemes import TILE_ROWS
+from llamajet.graph.passes._match import only_consumer, plain_matmul
 
 
 def run(graph: Graph, ctx) -> list[str]:
     log = []
     for sw in [n for n in graph.nodes if n.op == "swiglu"]:
-        g, u = sw.inputs
+        g, u = sw.inputs["gate"], sw.inputs["up"]
         prod = graph.producers()
         mg, mu = prod.get(g), prod.get(u)
-        if mg is None or mu is None or mg.op != "matmul" or mu.op != "matmul" or mg.attrs or mu.attrs:
+        if not plain_matmul(mg) or not plain_matmul(mu) or mg.inputs["x"] != mu.inputs["x"]:
             continue
-        if mg.inputs[0] != mu.inputs[0] or only_consumer(graph, g) is not sw or only_consumer(graph, u) is not sw:
+        if only_consumer(graph, g) is not sw or only_consumer(graph, u) is not sw:
             continue
-        wg, wu = graph.weights[mg.inputs[1]], graph.weights[mu.inputs[1]]
-        if not same_kind([wg, wu]) or wg.shape != wu.shape or wg.shape[0] % TILE_ROWS:
+        wg, wu = graph.weights[mg.inputs["w"]], graph.weights[mu.inputs["w"]]
+        if not same_kind([wg, wu]) or wg.shape != wu.shape or wg.shape[0] % ops.TILE:
             continue
-        prefix = mg.name.rsplit(".", 1)[0]
-        wname = f"{prefix}.ffn_gate_up"
+        wname = f"{mg.name.rsplit('.', 1)[0]}.ffn_gate_up"
         graph.weight(wname, interleave_tiles(wname, wg, wu))
-        pos = min(index(graph, mg), index(graph, mu))
+        pos = min(graph.index(mg), graph.index(mu))
         for n in (mg, mu, sw):
             graph.nodes.remove(n)
         for t in (g, u):
             del graph.tensors[t]
-        fused = graph.add(wname, "matmul", [mg.inputs[0], wname], [sw.outputs[0]], epilogue="swiglu")
-        graph.nodes.remove(fused)
-        graph.nodes.insert(pos, fused)
+        fused = graph.add(wname, "matmul", {"x": mg.inputs["x"], "w": wname}, {"out": sw.outputs["out"]},
+                          epilogue=ops.Epilogue.SWIGLU)
+        graph.insert(pos, fused)
         log.append(f"gate_up: {mg.name} + {mu.name} + {sw.name} -> {wname}")
     return log

@@ -2,27 +2,27 @@
 the LM-head matmul (each thread normalizes the few output rows itself before
 the input stage).
 
-Pattern: rmsnorm(x, w) -> n, matmul(n, W) -> logits.
-Legality: n is read only by that matmul; the matmul has no prologue yet.
+Pattern: rmsnorm(x, w) -> n, matmul(n, W) -> logits, logits a graph output.
+Legality: n is read only by that matmul; the matmul has nothing fused yet.
 """
 
 from __future__ import annotations
 
+from llamajet import ops
 from llamajet.graph.ir import Graph
-from llamajet.graph.passes._match import only_consumer
+from llamajet.graph.passes._match import only_consumer, plain_matmul
 
 
 def run(graph: Graph, ctx) -> list[str]:
     log = []
-    for norm in [n for n in graph.nodes if n.op == "rmsnorm" and n.name == "output_norm"]:
-        nrm = norm.outputs[0]
+    for norm in [n for n in graph.nodes if n.op == "rmsnorm"]:
+        nrm = norm.outputs["out"]
         mm = only_consumer(graph, nrm)
-        if mm is None or mm.op != "matmul" or mm.inputs[0] != nrm or mm.attrs.get("prologue", "none") != "none":
+        if not plain_matmul(mm) or mm.inputs["x"] != nrm or mm.outputs["out"] not in graph.outputs:
             continue
-        x, w = norm.inputs
         graph.nodes.remove(norm)
         del graph.tensors[nrm]
-        mm.inputs = [x] + mm.inputs[1:] + [w]
-        mm.attrs.update(prologue="rmsnorm", norm_w=w, eps=norm.attrs["eps"])
+        mm.inputs.update(x=norm.inputs["x"], norm_w=norm.inputs["w"])
+        mm.attrs.update(prologue=ops.Prologue.RMSNORM, eps=norm.attrs["eps"])
         log.append(f"norm_head: {norm.name} -> prologue of {mm.name}")
     return log

@@ -2,8 +2,9 @@
 matmul over [Wq; Wk; Wv] (stacked once, at load) whose epilogue rotates q and
 k: outputs q_rot, k_rot and v, as before the pass.
 
-Pattern (per block): matmul(h, Wq) -> q, matmul(h, Wk) -> k, matmul(h, Wv) -> v,
-rope(q) -> q_rot, rope(k) -> k_rot.
+Pattern (per attention): matmul(h, Wq) -> q, matmul(h, Wk) -> k, matmul(h, Wv) -> v,
+rope(q) -> q_rot, rope(k) -> k_rot, where kv_write(k_rot, v) feeds the
+attention that reads q_rot (so q, k and v are told apart by their roles).
 Legality: the three matmuls read the same input; q and k have no consumer
 outside the pattern (k_rot and v keep theirs: the kv_write); the weights have
 one storage kind and K; q and k columns are whole 16-column tiles and whole
@@ -21,46 +22,52 @@ sequences, SmolLM2-135M: the K write cost the fused op 0.36 ms per step).
 
 from __future__ import annotations
 
+from llamajet import ops
+from llamajet.formats.stack import rope_interleave_rows, same_kind, stack_rows
 from llamajet.graph.ir import Graph
-from llamajet.graph.passes._match import index, only_consumer, rope_interleave_rows, same_kind, stack_rows
-from llamajet.quant.schemes import TILE_ROWS
+from llamajet.graph.passes._match import only_consumer, plain_matmul
 
 
 def run(graph: Graph, ctx) -> list[str]:
     log = []
-    for rq in [n for n in graph.nodes if n.op == "rope" and n.name.endswith(".rope_q")]:
-        prefix = rq.name[: -len(".rope_q")]
-        try:
-            mq, mk, mv = (graph.node(f"{prefix}.attn_{p}") for p in "qkv")
-            rk = graph.node(f"{prefix}.rope_k")
-        except KeyError:
+    for kvw in [n for n in graph.nodes if n.op == "kv_write"]:
+        prod = graph.producers()
+        atts = [n for n in graph.consumers(kvw.outputs["kv"]) if n.op == "attention"]
+        if len(atts) != 1:
             continue
-        if not all(m.op == "matmul" and not m.attrs for m in (mq, mk, mv)):
+        rq, rk = prod.get(atts[0].inputs["q"]), prod.get(kvw.inputs["k"])
+        if rq is None or rk is None or rq.op != "rope" or rk.op != "rope":
             continue
-        h = mq.inputs[0]
-        if mk.inputs[0] != h or mv.inputs[0] != h:
+        q, k, v = rq.inputs["x"], rk.inputs["x"], kvw.inputs["v"]
+        mq, mk, mv = prod.get(q), prod.get(k), prod.get(v)
+        if not all(plain_matmul(m) for m in (mq, mk, mv)):
             continue
-        q, k, v = mq.outputs[0], mk.outputs[0], mv.outputs[0]
+        h = mq.inputs["x"]
+        if mk.inputs["x"] != h or mv.inputs["x"] != h:
+            continue
         if only_consumer(graph, q) is not rq or only_consumer(graph, k) is not rk:
             continue
-        ws = [graph.weights[m.inputs[1]] for m in (mq, mk, mv)]
+        if (rq.inputs["cos"], rq.inputs["sin"]) != (rk.inputs["cos"], rk.inputs["sin"]):
+            continue
+        ws = [graph.weights[m.inputs["w"]] for m in (mq, mk, mv)]
         hd, H, KVH = rq.attrs["head_dim"], rq.attrs["heads"], rk.attrs["heads"]
         nq, nk = ws[0].shape[0], ws[1].shape[0]
-        if not same_kind(ws) or nq % TILE_ROWS or nk % TILE_ROWS or ws[2].shape[0] != nk:
+        if (not same_kind(ws) or nq % ops.TILE or nk % ops.TILE or ws[2].shape[0] != nk
+                or nq != H * hd or nk != KVH * hd or rk.attrs["head_dim"] != hd):
             continue
-        wq = rope_interleave_rows(ws[0], H, hd)
-        wk = rope_interleave_rows(ws[1], KVH, hd)
-        wname = f"{prefix}.attn_qkv"
+        wq = rope_interleave_rows(ws[0], H, hd) if not rq.attrs["interleaved"] else ws[0]
+        wk = rope_interleave_rows(ws[1], KVH, hd) if not rk.attrs["interleaved"] else ws[1]
+        wname = f"{mq.name.rsplit('.', 1)[0]}.attn_qkv"
         graph.weight(wname, stack_rows(wname, [wq, wk, ws[2]]))
-        pos = index(graph, mq)
-        cos, sin = rq.inputs[1], rq.inputs[2]
+        pos = graph.index(mq)
         for n in (mq, mk, mv, rq, rk):
             graph.nodes.remove(n)
         for t in (q, k):
             del graph.tensors[t]
-        fused = graph.add(wname, "matmul", [h, wname, cos, sin], [rq.outputs[0], rk.outputs[0], v],
-                          epilogue="qkv", nq=nq, nk=nk, head_dim=hd, cos=cos, sin=sin)
-        graph.nodes.remove(fused)
-        graph.nodes.insert(pos, fused)
-        log.append(f"qkv: {prefix}.attn_q/k/v + rope_q/k -> {wname} [{nq}+{nk}+{nk} cols]")
+        fused = graph.add(wname, "matmul", {"x": h, "w": wname, "cos": rq.inputs["cos"], "sin": rq.inputs["sin"]},
+                          {"out": rq.outputs["out"], "k_out": rk.outputs["out"], "v_out": v},
+                          epilogue=ops.Epilogue.QKV, head_dim=hd)
+        graph.insert(pos, fused)
+        log.append(f"qkv: {mq.name} + {mk.name} + {mv.name} + {rq.name} + {rk.name} -> {wname} "
+                   f"[{nq}+{nk}+{nk} cols]")
     return log
