@@ -297,7 +297,7 @@ def test_rmsnorm(isa, nth):
 # ------------------------------------------------------------------ matmul
 
 
-def matmul_case(isa, nth, dtype, M, N, K, g, rows_mode="tokens"):
+def matmul_case(isa, nth, dtype, M, N, K, g, rows_mode="tokens", bias=False):
     W = make_table(dtype, N, K, g)
     Wf = ref.dequantize(W, dtype, (N, K))
     if rows_mode == "tokens":
@@ -305,14 +305,18 @@ def matmul_case(isa, nth, dtype, M, N, K, g, rows_mode="tokens"):
     else:  # logits rows: only the first n_out of max_out rows are computed
         T, O, rows, n_out, mrows = M + 3, M, ROWS_OUT, max(M - 1, 1), M
     x = g.standard_normal((mrows, K)).astype(np.float32)
+    b = (g.standard_normal(N) * 3).astype(np.float32) if bias else None
     p = Prog(isa, nth, T=T, O=O, scratch=K)
     p.buf("x", x), p.buf("out", n=mrows * N)
-    p.add("matmul", x=p.a("x", rows, K), w=p.w(W, dtype, N, K), out=p.a("out", rows, N))
+    p.add("matmul", x=p.a("x", rows, K), w=p.w(W, dtype, N, K), out=p.a("out", rows, N),
+          **({"bias": p.w(b, "f32", 1, N)} if bias else {}))
     p.run(T, out_rows=g.integers(0, T, size=n_out))
     got = p.get("out", (mrows, N))
     m = M if rows_mode == "tokens" else n_out
-    want = ref.matmul(x[:m], Wf)
+    want = ref.matmul(x[:m], Wf, b)
     atol = 2 * (K + 2) * U * (np.abs(x[:m]).astype(np.float64) @ np.abs(Wf).T) + 1e-30
+    if bias:  # one more addition: u * |result|
+        atol = atol + 2 * U * np.abs(want)
     assert_close(got[:m], want, atol, f"matmul {dtype} M={m} N={N} K={K} rows={rows_mode}")
     assert np.isnan(got[m:]).all()
 
@@ -326,9 +330,9 @@ def test_matmul(isa, nth, dtype):
         shapes = ((1, 37, 1000), (7, 64, 72), (83, 19, 200), (769, 5, 8), (769, 3, 1000), (2, 1, 13))
     else:
         shapes = ((1, 37, 608), (7, 64, 96), (83, 19, 32), (769, 5, 608))
-    for M, N, K in shapes:
-        matmul_case(isa, nth, dtype, M, N, K, g)
-    matmul_case(isa, nth, dtype, 7, 23, shapes[2][2], g, rows_mode="out")
+    for i, (M, N, K) in enumerate(shapes):
+        matmul_case(isa, nth, dtype, M, N, K, g, bias=i % 2 == 1)
+    matmul_case(isa, nth, dtype, 7, 23, shapes[2][2], g, rows_mode="out", bias=True)
     matmul_case(isa, nth, dtype, 1, 40, shapes[0][2], g, rows_mode="out")
 
 
@@ -946,3 +950,89 @@ def test_boundary_input_never_crashes(case):
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
     assert r.returncode == 0, f"rc={r.returncode} (negative: killed by signal) {r.stderr.decode()[-500:]}"
+
+
+# ------------------------------------------------------------------ bias in every epilogue
+
+
+def _weight_case(kind, N, K, g):
+    """(raw storage, storage type, group, matmul kwargs, float64 values) of an
+    [N, K] weight: f32 and q4_1 rows (the float path), pk_i4a packed with int8
+    activations (a8) or float ones (a16)."""
+    from llamajet.quant.pack import dequantize, quantize_rtn
+
+    if kind in ("f32", "q4_1"):
+        raw = make_table(kind, N, K, g)
+        return raw, kind, 0, {}, ref.dequantize(raw, kind, (N, K))
+    pw = quantize_rtn("w", g.standard_normal((N, K)).astype(np.float32), "int4_asym_g32")
+    return pw.data, "pk_i4a", pw.group, {"float_act": kind == "pk_a16"}, dequantize(pw)
+
+
+def _tile_interleave(a, b):
+    """Rows (float storage) or tiles (packed storage, [tiles, groups, bytes])
+    of a and b alternating, 16 rows at a time: what gate/up stacking does."""
+    if a.ndim == 3:
+        return np.stack([a, b], 1).reshape(-1, *a.shape[1:])
+    return np.stack([a.reshape(-1, 16, *a.shape[1:]), b.reshape(-1, 16, *b.shape[1:])], 1).reshape(-1, *a.shape[1:])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", ("f32", "q4_1", "pk_a8", "pk_a16"))
+def test_bias_in_every_epilogue_equals_the_unfused_ops(isa, kind):
+    """The bias is added to a finished tile before any epilogue, so each fused
+    epilogue with a bias gives the bits of the unfused ops (matmul + bias,
+    then add / swiglu / rope): RESIDUAL, SWIGLU, QKV. STORE + bias is within
+    the matmul bound (plus one addition) of numpy's (the a8 path rounds the
+    activations to int8 first: its own reference is in test_packed.py)."""
+    g = rng("bias", isa, kind)
+    M, K, hd, H, KVH, P = 7, 96, 16, 2, 1, 32
+    F, N, D = 32, H * hd + 2 * KVH * hd, 64  # gate/up rows (two tiles each), qkv rows, o-proj rows
+    x = g.standard_normal((M, K)).astype(np.float32)
+    res = g.standard_normal((M, D)).astype(np.float32)
+    pos = g.integers(0, P, size=M)
+    cos, sin = rope_tables(hd, P)
+    p = Prog(isa, 2, T=M, P=P, B=2, kv_slots=P, scratch=K)
+    p.buf("x", x), p.buf("res", res)
+    for name, n in (("o", D), ("r_unfused", D), ("r_fused", D), ("g", F), ("u", F), ("s_unfused", F),
+                    ("s_fused", F), ("q", H * hd), ("k", KVH * hd), ("v", KVH * hd), ("qr", H * hd),
+                    ("kr", KVH * hd), ("fq", H * hd), ("fk", KVH * hd), ("fv", KVH * hd)):
+        p.buf(name, n=M * n)
+    act = lambda name, n: p.a(name, ROWS_TOKENS, n)  # noqa: E731
+
+    def mm(raw, dt, grp, kw, n, b, out, cols=None, **more):
+        p.add("matmul", x=act("x", K), w=p.w(raw, dt, n, K, grp), out=act(out, cols or n), bias=p.w(b, "f32", 1, n),
+              **kw, **more)
+
+    # STORE, and RESIDUAL against matmul + add
+    raw, dt, grp, kw, wf = _weight_case(kind, D, K, g)
+    b = (g.standard_normal(D) * 3).astype(np.float32)
+    mm(raw, dt, grp, kw, D, b, "o")
+    p.add("add", a=act("res", D), b=act("o", D), out=act("r_unfused", D))
+    mm(raw, dt, grp, kw, D, b, "r_fused", epilogue=ops.Epilogue.RESIDUAL, residual=act("res", D))
+    # SWIGLU against gate, up (each with its bias) + swiglu; stacked in alternating 16-row tiles
+    rg, ru = _weight_case(kind, F, K, g)[0], _weight_case(kind, F, K, g)[0]
+    bg, bu = (g.standard_normal(F).astype(np.float32) for _ in range(2))
+    mm(rg, dt, grp, kw, F, bg, "g")
+    mm(ru, dt, grp, kw, F, bu, "u")
+    p.add("swiglu", gate=act("g", F), up=act("u", F), out=act("s_unfused", F))
+    mm(_tile_interleave(rg, ru), dt, grp, kw, 2 * F, _tile_interleave(bg, bu), "s_fused", cols=F,
+       epilogue=ops.Epilogue.SWIGLU)
+    # QKV against q, k, v (each with its bias) + rope of q and k (interleaved pairs)
+    parts = [_weight_case(kind, n, K, g)[0] for n in (H * hd, KVH * hd, KVH * hd)]
+    bq, bk, bv = (g.standard_normal(n).astype(np.float32) for n in (H * hd, KVH * hd, KVH * hd))
+    tables = dict(cos=p.w(cos, "f32", *cos.shape), sin=p.w(sin, "f32", *sin.shape))
+    for r, bb, out in zip(parts, (bq, bk, bv), ("q", "k", "v")):
+        mm(r, dt, grp, kw, len(bb), bb, out)
+    for src, dst, heads in (("q", "qr", H), ("k", "kr", KVH)):
+        p.add("rope", x=act(src, heads * hd), out=act(dst, heads * hd), heads=heads, head_dim=hd, interleaved=True,
+              **tables)
+    mm(np.concatenate(parts, 0), dt, grp, kw, N, np.concatenate([bq, bk, bv]), "fq", cols=H * hd,
+       epilogue=ops.Epilogue.QKV, head_dim=hd, k_out=act("fk", KVH * hd), v_out=act("fv", KVH * hd), **tables)
+    p.run(M, positions=pos, bt=np.zeros((1, 2)))  # block tables reach the positions (no attention here)
+    for fused, unfused in (("r_fused", "r_unfused"), ("s_fused", "s_unfused"), ("fq", "qr"), ("fk", "kr"),
+                           ("fv", "v")):
+        assert_bits_equal(p.get(fused), p.get(unfused))
+    if kind != "pk_a8":
+        want = ref.matmul(x, wf, b)
+        atol = 2 * (K + 2) * U * (np.abs(x).astype(np.float64) @ np.abs(wf).T) + 2 * U * np.abs(want)
+        assert_close(p.get("o", (M, D)), want, atol, f"matmul + bias {kind}")

@@ -22,7 +22,7 @@ def _exe(isa, nth, T, scratch=1 << 20):
                         kv_slots=16, block_size=16, max_pos=1, scratch_floats=scratch)
 
 
-def _run_matmul(isa, nth, x, pw, a16):
+def _run_matmul(isa, nth, x, pw, a16, bias=None):
     M, K = x.shape
     N = pw.shape[0]
     ex = _exe(isa, nth, M)
@@ -34,6 +34,8 @@ def _run_matmul(isa, nth, x, pw, a16):
     p.w = ops.Ref.from_array(pw.data, ops.dtype(pw.dtype), N, K, pw.group)
     p.out = ops.Ref.in_buffer(ob, 0, ops.DType.F32, ops.ROWS_TOKENS, N)
     p.float_act = a16
+    if bias is not None:
+        p.bias = ops.Ref.from_array(bias, ops.DType.F32, 1, N)
     ex.add(p)
     z = np.zeros(M, np.int32)
     ex.run(z, z, z, z, np.zeros((1, 1), np.int32), np.zeros(0, np.int32))
@@ -88,6 +90,11 @@ def test_matmul_a8_matches_reference(isa, scheme, M, N, K):
     for nth in (1, 2):
         got = _run_matmul(isa, nth, x, pw, a16=False)
         assert np.all(np.abs(got - ref) <= bound), np.abs(got - ref).max()
+    # with a bias: one more fp32 addition, at most u * |result| (times 2)
+    b = rng.normal(size=N).astype(np.float32) * 5
+    got = _run_matmul(isa, 2, x, pw, a16=False, bias=b)
+    want = ref + b
+    assert np.all(np.abs(got - want) <= bound + 2 * 2.0**-24 * np.abs(want)), np.abs(got - want).max()
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -104,6 +111,9 @@ def test_matmul_a16_matches_dequantized_reference(isa, scheme):
     bound = 2 * (K + 3) * 2.0**-24 * (np.abs(x) @ np.abs(dequantize(pw)).T)
     got = _run_matmul(isa, 2, x, pw, a16=True)
     assert np.all(np.abs(got - ref) <= bound)
+    b = rng.normal(size=N).astype(np.float32)  # a bias: one more rounding, u * |result| (times 2)
+    got_b = _run_matmul(isa, 2, x, pw, a16=True, bias=b)
+    assert np.all(np.abs(got_b - (ref + b)) <= bound + 2 * 2.0**-24 * np.abs(ref + b))
     # every row the same bits as computed alone (all rows share each dequantized group)
     alone = np.stack([_run_matmul(isa, 1, x[m : m + 1], pw, a16=True)[0] for m in range(M)])
     np.testing.assert_array_equal(got, alone)
@@ -298,8 +308,9 @@ def test_matmul_a8_rows_do_not_depend_on_batch_or_path(isa, scheme):
         w = rng.normal(size=(N, K)).astype(np.float32)
         x = (rng.normal(size=(M, K)) * 3).astype(np.float32)
         pw = quantize_rtn("w", w, scheme)
-        got = _run_matmul(isa, 2, x, pw, a16=False)
-        alone = np.stack([_run_matmul(isa, 1, x[m : m + 1], pw, a16=False)[0] for m in range(M)])
+        b = rng.normal(size=N).astype(np.float32)  # the bias rides along: same bits either way
+        got = _run_matmul(isa, 2, x, pw, a16=False, bias=b)
+        alone = np.stack([_run_matmul(isa, 1, x[m : m + 1], pw, a16=False, bias=b)[0] for m in range(M)])
         np.testing.assert_array_equal(got, alone)
         if isa != WIDE[0]:
-            np.testing.assert_array_equal(got, _run_matmul(WIDE[0], 2, x, pw, a16=False))
+            np.testing.assert_array_equal(got, _run_matmul(WIDE[0], 2, x, pw, a16=False, bias=b))

@@ -57,9 +57,10 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """x [M, K] @ w[N, K]^T -> [M, N]."""
-    return np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+def matmul(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """x [M, K] @ w[N, K]^T (+ bias [N]) -> [M, N]."""
+    y = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    return y if bias is None else y + np.asarray(bias, np.float64).reshape(-1)
 
 
 def rope_tables(inv_freq: np.ndarray, max_pos: int) -> tuple[np.ndarray, np.ndarray]:
