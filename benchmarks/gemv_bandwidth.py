@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from llamajet import _core, ops
-from llamajet.quant.pack import quantize_rtn
+from llamajet.formats.packed import quantize_rtn
 
 SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 

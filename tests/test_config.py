@@ -103,12 +103,24 @@ def test_generation_config_eos_is_merged(tmp_path):
     assert ModelConfig.from_hf(tmp_path).eos_token_ids == (2, 7)
 
 
+def test_architecture_and_bias_flags_are_recorded():
+    """The config names the family (model_type, else the class name); which
+    families run is the model registry's answer (the loaders ask it)."""
+    from llamajet.model import registry
+
+    assert ModelConfig.from_hf({**TINY, "model_type": "qwen2"}).architecture == "qwen2"
+    no_type = {k: v for k, v in TINY.items() if k != "model_type"}
+    assert ModelConfig.from_hf({**no_type, "architectures": ["MistralForCausalLM"]}).architecture == "mistral"
+    c = ModelConfig.from_hf({**TINY, "attention_bias": True, "mlp_bias": True})
+    assert (c.architecture, c.attention_bias, c.mlp_bias) == ("llama", True, True)
+    assert registry.get("qwen2").name == "qwen2"
+    with pytest.raises(UnsupportedModelError, match=r"'mistral' is not supported; supported: llama, qwen2"):
+        registry.get("mistral")
+
+
 @pytest.mark.parametrize("change, field", [
-    ({"architectures": ["MistralForCausalLM"], "model_type": "mistral"}, "mistral"),
-    ({"architectures": ["MistralForCausalLM"]}, "MistralForCausalLM"),
-    ({"model_type": "qwen2"}, "qwen2"),
-    ({"attention_bias": True}, "attention_bias"),
-    ({"mlp_bias": True}, "mlp_bias"),
+    ({"architectures": ["LlamaForSequenceClassification"]}, "causal language models"),
+    ({"use_sliding_window": True, "sliding_window": 4096}, "sliding-window"),
     ({"num_local_experts": 8}, "num_local_experts"),
     ({"hidden_act": "gelu"}, "gelu"),
     ({"num_key_value_heads": 3}, "num_kv_heads=3"),
@@ -279,7 +291,6 @@ def test_gguf_rope_freqs_tensor_gives_llama3_frequencies(tmp_path):
 
 
 @pytest.mark.parametrize("arch, change, err, field", [
-    ("gpt2", {}, UnsupportedModelError, "gpt2"),
     ("llama", {"llama.expert_count": 8}, UnsupportedModelError, "expert_count"),
     ("llama", {"llama.rope.scaling.type": "yarn"}, UnsupportedModelError, "yarn"),
     ("llama", {"llama.rope.scaling.factor": 4.0}, UnsupportedModelError, "scaling.factor"),

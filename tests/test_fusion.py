@@ -14,7 +14,7 @@ from llamajet.graph.ir import Graph
 from llamajet.graph.passes import FusionContext, fuse
 from llamajet.loaders import load_model
 from llamajet.model.llama import build_graph
-from llamajet.quant.convert import prepare_weights
+from llamajet.formats.convert import prepare_weights
 
 PASSES = ("qkv", "gate_up", "residual", "norm_head", "add_rmsnorm", "attn_quant", "ffn_quant")
 
@@ -113,7 +113,7 @@ def test_random_llama3_fused_matches_transformers_tolerance(tmp_path):
 
 
 def _graph(model, scheme="int8_g32"):
-    w = prepare_weights(model.weights, "fast", scheme)
+    w = prepare_weights(model.weights, scheme=scheme)
     return build_graph(model.config, w, 64)
 
 
@@ -192,12 +192,12 @@ def test_qkv_refuses_partial_tiles(tiny):
 def test_residual_refuses_a_residual_produced_after_the_matmul():
     """matmul(a) -> o; x = a + a computed after the matmul; r = x + o. Moving the
     add into the matmul would read x before it exists: refused."""
-    from llamajet.loaders import WeightTensor
+    from llamajet.formats import Kind, float_weight
 
     g = Graph()
-    w = WeightTensor("w", "f32", (16, 16), np.eye(16, dtype=np.float32))
+    w = float_weight("w", Kind.MATRIX, np.eye(16, dtype=np.float32))
     a = g.tensor("a", ("T", 16))
-    g.add("src", "embed", {"table": g.weight("tab", WeightTensor("tab", "f32", (4, 16), np.ones((4, 16), np.float32))),
+    g.add("src", "embed", {"table": g.weight("tab", float_weight("tab", Kind.EMBEDDING, np.ones((4, 16), np.float32))),
                            "tokens": g.tensor("tokens", ("T",), "i32", kind="input")}, {"out": a})
     o = g.tensor("o", ("T", 16))
     g.add("proj", "matmul", {"x": a, "w": g.weight("w", w)}, {"out": o})

@@ -959,7 +959,7 @@ def _weight_case(kind, N, K, g):
     """(raw storage, storage type, group, matmul kwargs, float64 values) of an
     [N, K] weight: f32 and q4_1 rows (the float path), pk_i4a packed with int8
     activations (a8) or float ones (a16)."""
-    from llamajet.quant.pack import dequantize, quantize_rtn
+    from llamajet.formats.packed import dequantize, quantize_rtn
 
     if kind in ("f32", "q4_1"):
         raw = make_table(kind, N, K, g)

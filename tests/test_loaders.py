@@ -20,8 +20,26 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from llamajet.config import ModelConfig  # noqa: E402
 from llamajet.errors import ModelFormatError, UnsupportedModelError  # noqa: E402
-from llamajet.loaders import LoadedModel, WeightTensor, load_gguf, load_hf, load_model  # noqa: E402
-from llamajet.loaders.names import canonical_to_hf, expected_shapes, hf_to_canonical  # noqa: E402
+from llamajet.formats import Kind, Weight  # noqa: E402
+from llamajet.loaders import LoadedModel, load_gguf, load_hf, load_model  # noqa: E402
+from llamajet.model import registry  # noqa: E402
+
+LLAMA = registry.get("llama")
+
+
+def canonical_to_hf(name: str) -> str:
+    return LLAMA.native_name(name, "hf")
+
+
+def hf_to_canonical(hf_name: str) -> str | None:
+    mapped = LLAMA.from_hf(hf_name)
+    return mapped[0] if mapped else None
+
+
+def expected_shapes(config: ModelConfig, with_output: bool) -> dict:
+    """Every tensor Llama's spec implies, with its shape (the LM head when asked for)."""
+    cfg = dataclasses.replace(config, tie_word_embeddings=not with_output)
+    return {n: r.shape(cfg) for n, r in LLAMA.expected(cfg)}
 
 from conftest import SHARED_DATA as DATA, STORIES_GGUF, STORIES_HF  # noqa: E402  (one place for the data paths)
 
@@ -194,7 +212,11 @@ def test_name_maps_round_trip():
     for name in expected_shapes(config, with_output=True):
         assert hf_to_canonical(canonical_to_hf(name)) == name
     assert canonical_to_hf("blk.2.ffn_down") == "model.layers.2.mlp.down_proj.weight"
+    assert canonical_to_hf("blk.2.attn_q.bias") == "model.layers.2.self_attn.q_proj.bias"
+    assert LLAMA.native_name("blk.1.attn_q", "gguf") == "blk.1.attn_q.weight"
+    assert LLAMA.from_gguf("blk.1.attn_q.bias")[0] == "blk.1.attn_q.bias"
     assert hf_to_canonical("model.layers.0.self_attn.rotary_emb.inv_freq") is None
+    assert LLAMA.is_ignored("model.layers.0.self_attn.rotary_emb.inv_freq") and LLAMA.is_ignored("rope_freqs.weight")
     x = np.arange(24 * 3, dtype=np.float32).reshape(24, 3)
     assert np.array_equal(deinterleave(interleave(x, 3), 3), x)
 
@@ -384,13 +406,13 @@ def test_gguf_formats_from_transformers_model(tiny_gguf):
             np.testing.assert_allclose(f32, ref, rtol=rtol, atol=2.0 ** -25 if qtype == Q.F16 else 0)
 
 
-def test_weight_tensor_validates_storage():
+def test_weight_validates_storage():
     with pytest.raises(ModelFormatError, match="storage shape"):
-        WeightTensor("blk.0.attn_q", "q8_0", (4, 64), np.zeros((4, 64), dtype=np.uint8))
+        Weight("blk.0.attn_q", Kind.MATRIX, "q8_0", (4, 64), np.zeros((4, 64), dtype=np.uint8))
     with pytest.raises(ModelFormatError, match="multiple of 32"):
-        WeightTensor("blk.0.attn_q", "q4_0", (4, 40), np.zeros((4, 20), dtype=np.uint8))
+        Weight("blk.0.attn_q", Kind.MATRIX, "q4_0", (4, 40), np.zeros((4, 20), dtype=np.uint8))
     with pytest.raises(ModelFormatError, match="must be float32"):
-        WeightTensor("output_norm", "f32", (4,), np.zeros(4, dtype=np.float64))
+        Weight("output_norm", Kind.NORM, "f32", (4,), np.zeros(4, dtype=np.float64))
 
 
 # --- SmolLM2-135M Q4_1: the default model -----------------------------------------------------
@@ -457,7 +479,10 @@ def test_file_that_is_neither(tmp_path):
 @needs_stories
 @pytest.mark.parametrize("change, err, match", [
     ({"architectures": ["MistralForCausalLM"], "model_type": "mistral"}, UnsupportedModelError, "mistral"),
-    ({"attention_bias": True}, UnsupportedModelError, "attention_bias"),
+    # a config that says Llama has biases, over a checkpoint without them: the first one missing is named
+    ({"attention_bias": True}, ModelFormatError, r"model\.layers\.0\.self_attn\.q_proj\.bias"),
+    ({"architectures": ["LlamaForSequenceClassification"]}, UnsupportedModelError, "causal"),
+    ({"use_sliding_window": True}, UnsupportedModelError, "sliding"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "rope_parameters": None}, UnsupportedModelError, "yarn"),
     ({"num_hidden_layers": None}, ModelFormatError, "num_hidden_layers"),
     ({"tie_word_embeddings": False}, ModelFormatError, "lm_head.weight"),
@@ -609,3 +634,35 @@ def test_gguf_bad_tensors(tmp_path, tiny_gguf, skip, change, err, match):
         return
     with pytest.raises(err, match=match):
         load_model(path)
+
+
+@needs_stories
+def test_unknown_tensors_are_errors_that_name_them(tmp_path):
+    """A tensor the architecture's spec does not know is refused by name
+    (it was once dropped silently): in an HF folder and in a GGUF."""
+    import safetensors.numpy
+
+    folder = tmp_path / "hf"
+    shutil.copytree(STORIES_HF, folder)
+    tensors = safetensors.numpy.load_file(folder / "model.safetensors")
+    tensors["model.layers.0.self_attn.q_norm.weight"] = np.ones(8, np.float32)
+    safetensors.numpy.save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(ModelFormatError, match=r"'model\.layers\.0\.self_attn\.q_norm\.weight' is not part of a llama"):
+        load_hf(folder)
+
+    reader = gguf.GGUFReader(STORIES_GGUF)
+    path = tmp_path / "extra.gguf"
+    w = gguf.GGUFWriter(path, "llama")
+    for f in reader.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        w.add_key_value(f.name, f.contents(), f.types[0], f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.asarray(t.data).reshape([int(d) for d in reversed(t.shape.tolist())]))
+    w.add_tensor("blk.0.attn_q_norm.weight", np.ones(8, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelFormatError, match=r"'blk\.0\.attn_q_norm\.weight' is not part of a llama"):
+        load_gguf(path)

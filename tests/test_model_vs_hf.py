@@ -188,3 +188,53 @@ def test_half_precision_checkpoints_match_transformers(random_llama3, tmp_path, 
     got = _step(runner, bm, [], ids, 0, all_rows=True)
     err = np.abs(got - ref).max() / np.abs(ref).max()
     assert err <= 1e-4, err
+
+
+@pytest.fixture(scope="module")
+def random_llama_biased(tmp_path_factory, stories_hf):
+    """A random Llama with every bias transformers allows (attention_bias: q,
+    k, v, o; mlp_bias: gate, up, down), 2 layers, GQA 2:1, tile-aligned shapes
+    so every fusion pass applies (QKV with its stacked, permuted biases; gate/up
+    with interleaved ones; residual epilogues after a bias)."""
+    cfg = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
+        attention_bias=True, mlp_bias=True, tie_word_embeddings=False, attn_implementation="eager")
+    torch.manual_seed(3)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # transformers initializes biases to zero: make them matter
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
+    path = tmp_path_factory.mktemp("random_llama_biased")
+    model.save_pretrained(path, safe_serialization=True)
+    import shutil
+
+    for f in ("tokenizer.json", "tokenizer_config.json"):  # a 512-token vocabulary, as the model's
+        shutil.copy(stories_hf / f, path / f)
+    return path, model
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_llama_with_biases_matches_transformers(random_llama_biased, fuse):
+    from llamajet import LLM, SamplingParams
+
+    path, hf = random_llama_biased
+    ids = np.random.default_rng(4).integers(0, 512, size=40).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].double().numpy()
+    lm = load_model(path)
+    assert {w.kind.value for n, w in lm.weights.items() if n.endswith(".bias")} == {"bias"}
+    assert len([n for n in lm.weights if n.endswith(".bias")]) == 2 * 7
+    llm = LLM(path, max_model_len=256, fuse=fuse, kv_dtype="f32")
+    if fuse:  # the biases ride through each fused epilogue
+        log = llm.engine.runner.fusion_log
+        assert any(l.startswith("qkv:") for l in log) and any(l.startswith("gate_up:") for l in log)
+        assert "blk.0.attn_qkv.bias" in llm.engine.runner.graph.weights
+    got = llm.logits(ids).astype(np.float64)
+    # fp32 end to end; the fused q/k rows are permuted to interleaved RoPE
+    # order (q.k sums in another order): fp32 ulps times the depth, as above.
+    err = np.abs(got - ref).max() / np.abs(ref).max()
+    assert err <= 1e-4, err
+    out = llm.generate([ids[:8]], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
+    assert out.token_ids == _hf_greedy(hf, ids[:8], 16)

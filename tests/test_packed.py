@@ -7,9 +7,14 @@ import numpy as np
 import pytest
 
 from llamajet import ops
-from llamajet.quant.pack import (dequantize, matmul_a8_reference, pack, quantize_activations,
-                                 quantize_rtn, repack_gguf, unpack)
-from llamajet.quant.schemes import TILE_ROWS, schemes
+from llamajet.formats.gguf_blocks import repack_gguf
+from llamajet.formats.layout import get_format
+from llamajet.formats.packed import (dequantize, matmul_a8_reference, pack, quantize_activations,
+                                     quantize_rtn, unpack)
+from llamajet.formats.schemes import schemes
+from llamajet.formats.weight import Kind, Weight
+
+TILE_ROWS = ops.TILE
 
 gguf = pytest.importorskip("gguf")
 
@@ -68,7 +73,7 @@ def test_gguf_blocks_repack_without_loss(ggml):
         w = rng.normal(size=(n, 96)).astype(np.float32)
         raw = gguf.quants.quantize(w, qt)
         ref = gguf.quants.dequantize(raw, qt)  # the external reference
-        pw = repack_gguf("w", raw, ggml, (n, 96))
+        pw = repack_gguf(Weight("w", Kind.MATRIX, ggml, (n, 96), raw))
         np.testing.assert_array_equal(pw.to_f32(), ref)
         if n % TILE_ROWS == 0:  # same bits, same bytes: nothing added, nothing lost
             assert pw.data.nbytes == raw.nbytes
@@ -86,7 +91,7 @@ def test_matmul_a8_matches_reference(isa, scheme, M, N, K):
     # Integer parts are exact on every ISA; the kernel applies scales and sums
     # the ng groups in fp32: a few roundings per group, bounded by
     # (3 ng + 2) * 2^-24 * sum_g |partial_g| <= (3 ng + 2) u * |x| @ |w|^T.
-    bound = (3 * pw.n_groups + 2) * 2.0**-24 * (np.abs(x) @ np.abs(dequantize(pw)).T) * 4 + 1e-30
+    bound = (3 * pw.data.shape[1] + 2) * 2.0**-24 * (np.abs(x) @ np.abs(dequantize(pw)).T) * 4 + 1e-30
     for nth in (1, 2):
         got = _run_matmul(isa, nth, x, pw, a16=False)
         assert np.all(np.abs(got - ref) <= bound), np.abs(got - ref).max()

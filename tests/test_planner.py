@@ -170,10 +170,10 @@ def test_random_graphs_plan_is_valid_and_between_the_bounds(case):
 @pytest.fixture(scope="module")
 def smollm2_parts(smollm2_gguf):
     from llamajet.loaders import load_model
-    from llamajet.quant.convert import prepare_weights
+    from llamajet.formats.convert import prepare_weights
 
     model = load_model(smollm2_gguf)
-    return model.config, prepare_weights(model.weights, "fast")  # as ModelRunner does
+    return model.config, prepare_weights(model.weights)  # as ModelRunner does (packed kernels)
 
 
 def _smollm2_plan(parts, T: int, fused: bool):

@@ -19,12 +19,13 @@ import pytest
 
 from llamajet import LLM
 from llamajet.errors import LlamajetError, ModelFormatError
-from llamajet.loaders import WeightTensor, load_model
-from llamajet.loaders.llamajet import META_FILE, WEIGHTS_FILE
-from llamajet.quant import convert
-from llamajet.quant.convert import prepare_weights
-from llamajet.quant.pack import PackedWeight, quantize_rtn, repack_gguf
-from llamajet.quant.saved import quantize_model
+from llamajet.formats import Kind, convert
+from llamajet.formats.convert import prepare_weights
+from llamajet.formats.gguf_blocks import repack_gguf
+from llamajet.formats.packed import quantize_rtn
+from llamajet.formats.saved import META_FILE, WEIGHTS_FILE
+from llamajet.loaders import load_model
+from llamajet.quant.quantize import quantize_model
 from llamajet.tokenizer import load_tokenizer, tokenizer_from_gguf
 
 WIKITEXT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "corpora" / "wikitext-2-raw-test.txt"
@@ -71,7 +72,7 @@ def test_gguf_keep_repacks_every_block_without_loss(smollm2_gguf, smol_saved):
         for name in ("token_embd", "blk.0.attn_q", "blk.29.ffn_down"):
             w = src.weights[name]
             stored = f.get_tensor(name)
-            want = repack_gguf(name, w.data, w.dtype, w.shape, w.rope_interleaved)
+            want = repack_gguf(w)
             assert stored.dtype == np.uint8 and np.array_equal(stored, want.data)
             # ...and the values are the gguf package's dequantization of the source, exactly:
             # both round d*q + m once to fp32 (f16 products are exact in fp32 and fp64).
@@ -103,7 +104,7 @@ def test_saved_weights_are_views_of_the_mapped_file(smol_saved, monkeypatch):
     model = load_model(out)
     whole = _file_bytes(model)
     for name, w in model.weights.items():
-        assert isinstance(w, PackedWeight if not name.endswith("_norm") else WeightTensor), name
+        assert w.packed == w.kind.quantizable and w.kind == load_model(smol_saved[0]).weights[name].kind, name
         assert np.shares_memory(w.data, whole) and not w.data.flags.writeable, name
     # Loading never quantizes or repacks: make both impossible, LLM still runs on the very same arrays.
     def refuse(*a, **k):
@@ -280,17 +281,17 @@ def test_saved_model_as_input_and_prepare_weights_pass_through(stories_saved, tm
     assert (tmp_path / "again" / WEIGHTS_FILE).read_bytes() == (out / WEIGHTS_FILE).read_bytes()
     model = load_model(out)
     for scheme in (None, "int8_g32"):  # same scheme or none: the very same objects
-        prepared = prepare_weights(model.weights, "fast", scheme)
+        prepared = prepare_weights(model.weights, scheme=scheme)
         assert all(prepared[n] is w for n, w in model.weights.items())
     # Another scheme re-quantizes from the dequantized values (double rounding, documented).
-    assert prepare_weights(model.weights, "fast", "int4_sym_g32")["blk.0.attn_q"].scheme.name == "int4_sym_g32"
+    assert prepare_weights(model.weights, scheme="int4_sym_g32")["blk.0.attn_q"].scheme.name == "int4_sym_g32"
 
 
 def test_config_round_trips_through_json(stories_hf):
     import dataclasses
 
     from llamajet.config import RopeScaling
-    from llamajet.loaders.llamajet import config_from_json, config_to_json
+    from llamajet.formats.saved import config_from_json, config_to_json
 
     base = load_model(stories_hf).config
     llama3 = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -360,7 +361,7 @@ def _edit_meta(folder: Path, edit) -> None:
     (lambda m: m["tensors"]["blk.0.attn_q"].update(scheme="int4_sym_g32"), "int4_sym_g32 of shape"),
     (lambda m: m["tensors"]["blk.0.ffn_up"].update(shape=[172, 32]), "needs U8"),
     (lambda m: m["tensors"]["blk.0.attn_q"].update(scheme="int3_g7"), "unknown scheme 'int3_g7'; known: "),
-    (lambda m: m["tensors"]["blk.0.attn_norm"].update(dtype="f16"), "says F16"),
+    (lambda m: m["tensors"]["blk.0.attn_norm"].update(dtype="f16"), "but f16 of shape \\[64\\] needs F16"),
     (lambda m: m["tensors"].pop("blk.0.attn_v"), "not listed in llamajet.json"),
     (lambda m: m["config"].update(num_layers=6), "blk.5"),
     (lambda m: m["config"].pop("vocab_size"), "config is incomplete"),

@@ -120,7 +120,7 @@ def cmd_info(a) -> int:
 
 
 def cmd_quantize(a) -> int:
-    from llamajet.quant.saved import quantize_model
+    from llamajet.quant.quantize import quantize_model
 
     print(quantize_model(a.input, a.output, a.scheme, force=a.force).format())
     return 0
@@ -145,9 +145,9 @@ def cmd_graph(a) -> int:
     from llamajet.graph.planner import plan_memory
     from llamajet.graph.show import describe, summary
     from llamajet.loaders import load_model
-    from llamajet.model.llama import build_graph
+    from llamajet.formats.convert import prepare_weights
+    from llamajet.model import registry
     from llamajet.models import default_model_path
-    from llamajet.quant.convert import prepare_weights
 
     if a.tokens < 1:
         raise LlamajetError(f"--tokens {a.tokens}: a prefill step has at least 1 token")
@@ -156,7 +156,8 @@ def cmd_graph(a) -> int:
     path = a.model or default_model_path()
     model = load_model(path)
     max_len = a.max_model_len or min(model.config.max_position_embeddings, 4096)  # as LLM's default
-    graph = build_graph(model.config, prepare_weights(model.weights, a.kernels), max_len)
+    weights = prepare_weights(model.weights, repack=a.kernels != "reference")
+    graph = registry.get(model.config.architecture).build(model.config, weights, max_len)
     style = dict(act_int8=a.kernels == "fast", kv_dtype=a.kv_dtype)
     print(f"llamajet graph: {path}, phase {a.phase} (T={symbols['T']}, O={symbols['O']}), isa {isa}, "
           f"kernels {a.kernels}")

@@ -2,9 +2,11 @@
 
 ``ModelConfig`` is built once, from a Hugging Face ``config.json``
 (``ModelConfig.from_hf``) or from GGUF metadata (``ModelConfig.from_gguf``),
-and is frozen afterwards. Everything llamajet cannot honour is refused here,
-at load time, with the field and value named — never discovered later as wrong
-logits.
+and is frozen afterwards. ``architecture`` names the model family (HF
+``model_type``, GGUF ``general.architecture``); whether llamajet runs it is the
+model registry's answer (model/registry.py), asked by the loaders. Everything
+else llamajet cannot honour is refused here, at load time, with the field and
+value named — never discovered later as wrong logits.
 
 RoPE is described in one of two equivalent ways:
 - ``rope_scaling``: Llama-3.1's "llama3" frequency scaling, as HF configs state it;
@@ -71,6 +73,10 @@ class ModelConfig:
     name: str = ""  # informational only; never compared by the model
     # llama.cpp's precomputed llama3 scaling: [head_dim // 2] divisors of inv_freq
     rope_freq_factors: tuple[float, ...] | None = None
+    # the model family (model/registry.py); "llama" for files saved before it was recorded
+    architecture: str = "llama"
+    attention_bias: bool = False  # Llama's flag: q, k, v and o projections have biases
+    mlp_bias: bool = False        # Llama's flag: gate, up and down projections have biases
 
     def __post_init__(self):
         for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -177,9 +183,23 @@ class ModelConfig:
             cfg = _read_json(path)
         return _parse_hf(cfg, name or str(cfg.get("_name_or_path", "")), extra_eos)
 
+    @staticmethod
+    def architecture_of_hf(folder: str | Path) -> str:
+        """The model family a Hugging Face folder's config.json names (checked
+        before the rest of the config, so an unsupported family is named as such)."""
+        return _hf_architecture(_read_json(Path(folder) / "config.json"))
+
+    @staticmethod
+    def architecture_of_gguf(reader) -> str:
+        """The model family a GGUF names (general.architecture)."""
+        arch = _Meta(reader).require("general.architecture", str)
+        if not arch:
+            raise ModelFormatError("general.architecture is empty")
+        return arch
+
     @classmethod
     def from_gguf(cls, reader) -> "ModelConfig":
-        """From the metadata of an open ``gguf.GGUFReader`` (llama.* keys).
+        """From the metadata of an open ``gguf.GGUFReader`` (``<architecture>.*`` keys).
 
         Tied embeddings are inferred as llama.cpp does: no ``output.weight``
         tensor. A ``rope_freqs.weight`` tensor becomes ``rope_freq_factors``.
@@ -191,7 +211,7 @@ class ModelConfig:
 # Hugging Face config.json
 # =====================================================================================
 
-_HF_ARCHITECTURE = "LlamaForCausalLM"
+_HF_CAUSAL_LM = "ForCausalLM"  # transformers' class suffix of a generating model
 _HF_MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
@@ -237,25 +257,36 @@ def _typed(value, key: str, kind):
     return int(value)
 
 
-def _refuse_unsupported_hf(cfg: Mapping) -> None:
+def _hf_architecture(cfg: Mapping) -> str:
+    """The model family: model_type, else derived from the class name
+    ("Qwen2ForCausalLM" -> "qwen2"), which transformers names after it."""
     model_type = cfg.get("model_type")
     archs = cfg.get("architectures")
-    if model_type is None and not archs:
-        raise ModelFormatError("config has neither 'model_type' nor 'architectures'")
-    if model_type is not None and model_type != "llama":
-        raise UnsupportedModelError(f"model_type={model_type!r}; only 'llama' is supported")
     if isinstance(archs, str):
         archs = [archs]
+    if model_type is None and not archs:
+        raise ModelFormatError("config has neither 'model_type' nor 'architectures'")
     if archs:
-        other = [a for a in archs if a != _HF_ARCHITECTURE]
+        other = [a for a in archs if not (isinstance(a, str) and a.endswith(_HF_CAUSAL_LM))]
         if other:
-            raise UnsupportedModelError(f"architectures={archs!r}; only {_HF_ARCHITECTURE!r} is supported")
+            raise UnsupportedModelError(f"architectures={archs!r}: only causal language models "
+                                        f"(*{_HF_CAUSAL_LM}) generate text")
+    if model_type is not None:
+        if not isinstance(model_type, str) or not model_type:
+            raise ModelFormatError(f"model_type must be a non-empty string, got {model_type!r}")
+        return model_type
+    return archs[0][: -len(_HF_CAUSAL_LM)].lower()
+
+
+def _refuse_unsupported_hf(cfg: Mapping) -> None:
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):  # one function, two names in transformers' ACT2FN
         raise UnsupportedModelError(f"hidden_act={act!r}; only 'silu' is supported")
+    if cfg.get("use_sliding_window"):  # Qwen2 configs carry sliding_window but use it only when this is set
+        raise UnsupportedModelError("use_sliding_window=True: sliding-window attention is not supported")
     for key in ("attention_bias", "mlp_bias"):
-        if cfg.get(key):
-            raise UnsupportedModelError(f"{key}={cfg[key]!r}; llamajet's Llama has no biases")
+        if not isinstance(cfg.get(key, False), bool):
+            raise ModelFormatError(f"{key} must be true or false, got {cfg[key]!r}")
     for key in _HF_MOE_FIELDS:
         if _typed(cfg.get(key) or 0, key, int) > 0:
             raise UnsupportedModelError(f"{key}={cfg[key]!r}; mixture-of-experts models are not supported")
@@ -313,6 +344,7 @@ def _parse_hf_rope(cfg: Mapping, max_pos: int) -> tuple[float, RopeScaling | Non
 
 
 def _parse_hf(cfg: Mapping, name: str, extra_eos: list[int]) -> ModelConfig:
+    architecture = _hf_architecture(cfg)
     _refuse_unsupported_hf(cfg)
     hidden = _require(cfg, "hidden_size")
     num_heads = _require(cfg, "num_attention_heads")
@@ -347,6 +379,9 @@ def _parse_hf(cfg: Mapping, name: str, extra_eos: list[int]) -> ModelConfig:
         bos_token_id=bos[0] if bos else None,
         eos_token_ids=tuple(eos),
         name=name,
+        architecture=architecture,
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
     )
 
 
@@ -419,10 +454,8 @@ def _gguf_rope_freq_factors(reader, head_dim: int) -> tuple[float, ...] | None:
 
 def _parse_gguf(reader) -> ModelConfig:
     meta = _Meta(reader)
-    arch = meta.require("general.architecture", str)
-    if arch != "llama":
-        raise UnsupportedModelError(f"general.architecture={arch!r}; only 'llama' is supported")
-    p = "llama."
+    arch = ModelConfig.architecture_of_gguf(reader)
+    p = arch + "."  # hyper-parameter keys are prefixed by the architecture
     experts = meta.get(p + "expert_count", int, 0)
     if experts > 0:
         raise UnsupportedModelError(f"{p}expert_count={experts}; mixture-of-experts models are not supported")
@@ -489,4 +522,8 @@ def _parse_gguf(reader) -> ModelConfig:
         eos_token_ids=tuple(eos),
         name=meta.get("general.name", str, ""),
         rope_freq_factors=_gguf_rope_freq_factors(reader, head_dim),
+        architecture=arch,
+        # GGUF states biases by carrying them (as llama.cpp reads them): layer 0 tells
+        attention_bias="blk.0.attn_q.bias" in names,
+        mlp_bias="blk.0.ffn_gate.bias" in names,
     )

@@ -27,8 +27,8 @@ from llamajet.graph.planner import MemoryPlan, plan_memory
 from llamajet.loaders import LoadedModel
 from llamajet.graph.passes import FusionContext
 from llamajet.graph.passes import fuse as fuse_graph
-from llamajet.model.llama import build_graph
-from llamajet.quant.convert import prepare_weights
+from llamajet.formats.convert import prepare_weights
+from llamajet.model import registry
 
 
 @dataclass(frozen=True)
@@ -64,10 +64,13 @@ class ModelRunner:
         self.max_blocks = math.ceil(max_model_len / block_size)
         # Default pool: every sequence of the batch at full length.
         self.num_blocks = num_blocks if num_blocks is not None else self.max_blocks * max_seqs
-        # Weights as the kernels want them (quant/convert.py: GGUF blocks repacked, or RTN to `scheme`).
+        # Weights as the kernels want them (formats/convert.py: GGUF blocks repacked, or RTN to `scheme`).
+        if kernels not in ("fast", "a16", "reference"):
+            raise ValueError(f"kernels={kernels!r}: use one of fast, a16, reference")
         self.kernels = kernels
-        self.weights = prepare_weights(model.weights, kernels, scheme)
-        self.graph = build_graph(cfg, self.weights, max_model_len)
+        self.weights = prepare_weights(model.weights, repack=kernels != "reference", scheme=scheme, isa=isa,
+                                       n_threads=n_threads)
+        self.graph = registry.get(cfg.architecture).build(cfg, self.weights, max_model_len)
         # Fusion passes (graph/passes): fused weights are stacked once, here.
         self.fusion_log = (fuse_graph(self.graph, FusionContext(act_int8=kernels == "fast"))
                            if fuse else [])

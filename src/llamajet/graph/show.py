@@ -32,7 +32,7 @@ def human_bytes(n: int) -> str:
 
 def storage_name(w) -> str:
     """A weight's storage as the kernels see it: 'pk_i4a g32', 'q4_1', 'f32'."""
-    group = getattr(w, "group", None)  # packed weights (quant/pack.py) carry a group length
+    group = w.group  # packed weights have a group length; others 0
     return f"{w.dtype} g{group}" if group else str(w.dtype)
 
 
@@ -49,7 +49,7 @@ def kernel_name(graph: Graph, node: Node, isa: str, *, act_int8: bool = True, kv
             if w is None or f in ("cos", "sin"):
                 continue  # activations and the RoPE tables are f32
             s = storage_name(w)
-            if getattr(w, "group", None) and node.op != "embed":
+            if w.group and node.op != "embed":
                 s += " a8" if act_int8 else " a16"
             if s not in what:
                 what.append(s)

@@ -1,12 +1,15 @@
 """GGUF files, through ``gguf.GGUFReader`` (which memory-maps the file; each
 ``ReaderTensor.data`` is a view of that map).
 
+- Every tensor is named and typed by the architecture's tensor spec
+  (model/spec.py): an unknown name is an error naming it.
 - F32, F16, BF16, Q8_0, Q4_0, Q4_1: kept as views, bytes exactly as in the file.
 - Other formats ``gguf.quants`` can decode (Q4_K, Q5_K, Q6_K, Q5_0, ...):
   dequantized to f32 at load, a copy; the quantizer can re-pack them later.
-- attn_q / attn_k stay in llama.cpp's interleaved RoPE row order, marked
-  ``rope_interleaved=True``; nothing is permuted.
-- GGUF lists dims fastest first (ne0 = K); ``WeightTensor.shape`` is [N, K].
+- RoPE-rotated rows (attn_q / attn_k) stay in the file's order, marked
+  ``rope_interleaved`` where the architecture's converter permuted them
+  (Llama); nothing is permuted here.
+- GGUF lists dims fastest first (ne0 = K); ``Weight.shape`` is [N, K].
 """
 
 from __future__ import annotations
@@ -18,11 +21,14 @@ import numpy as np
 
 from llamajet.config import ModelConfig
 from llamajet.errors import ModelFormatError, UnsupportedModelError
-from llamajet.loaders import LoadedModel, WeightTensor, check_weights
-from llamajet.loaders.names import canonical_to_gguf, gguf_to_canonical, is_rope_rotated
+from llamajet.formats.layout import get_format
+from llamajet.formats.weight import Weight
+from llamajet.loaders.base import LoadedModel, check_weights
+from llamajet.model import registry
+from llamajet.model.spec import ArchSpec, TensorRule
 
 _Q = gguf.GGMLQuantizationType
-# GGML types the kernels read as they are -> our storage dtype
+# GGML types the kernels read as they are -> our format name
 _RAW = {_Q.F32: "f32", _Q.F16: "f16", _Q.BF16: "bf16", _Q.Q8_0: "q8_0", _Q.Q4_0: "q4_0", _Q.Q4_1: "q4_1"}
 # integer tensor types are never weights of a float model
 _NOT_WEIGHTS = {_Q.I8, _Q.I16, _Q.I32, _Q.I64}
@@ -46,16 +52,16 @@ def open_reader(path: Path) -> gguf.GGUFReader:
     return reader
 
 
-def _weight(t, canonical: str, path: Path) -> WeightTensor:
+def _weight(t, canonical: str, rule: TensorRule, spec: ArchSpec, path: Path) -> Weight:
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # ne0 last: [N, K]
     qtype = t.tensor_type
-    interleaved = is_rope_rotated(canonical)
+    interleaved = rule.rope and spec.gguf_rope_interleaved
     if qtype in _RAW:
         data = t.data
         if qtype == _Q.BF16:
             data = data.view(np.uint16)  # the reader exposes bf16 as bytes: [..., 2K] u8 -> [..., K] u16
-        # block formats arrive as [N, row bytes] u8, exactly WeightTensor's storage shape
-        return WeightTensor(canonical, _RAW[qtype], shape, data, rope_interleaved=interleaved)
+        # block formats arrive as [N, row bytes] u8, exactly the format's storage shape
+        return Weight(canonical, rule.kind, get_format(_RAW[qtype]), shape, data, interleaved)
     if qtype in _NOT_WEIGHTS:
         raise UnsupportedModelError(f"{path}: tensor {t.name!r} has integer type {qtype.name}")
     try:
@@ -65,26 +71,33 @@ def _weight(t, canonical: str, path: Path) -> WeightTensor:
                                     "cannot read") from e
     data = np.ascontiguousarray(f32, dtype=np.float32).reshape(shape)
     data.setflags(write=False)  # weights are read-only, copies like views
-    return WeightTensor(canonical, "f32", shape, data, rope_interleaved=interleaved)
+    return Weight(canonical, rule.kind, get_format("f32"), shape, data, interleaved)
 
 
 def load_gguf(path: str | Path) -> LoadedModel:
-    """Load a Llama GGUF; weights are views of the reader's memory map."""
+    """Load a GGUF of a registered architecture; weights are views of the reader's memory map."""
     path = Path(path)
     if not path.is_file():
         raise ModelFormatError(f"{path}: no such file")
     reader = open_reader(path)
     try:
+        spec = registry.get(ModelConfig.architecture_of_gguf(reader))
         config = ModelConfig.from_gguf(reader)
     except (ModelFormatError, UnsupportedModelError) as e:
         raise type(e)(f"{path}: {e}") from e
 
-    weights: dict[str, WeightTensor] = {}
+    weights: dict[str, Weight] = {}
     for t in reader.tensors:
-        canonical = gguf_to_canonical(t.name)
-        if canonical is not None:  # rope_freqs is in config; other extras are not ours
-            weights[canonical] = _weight(t, canonical, path)
-    config = check_weights(config, weights, str(path), canonical_to_gguf)
+        mapped = spec.from_gguf(t.name)
+        if mapped is None:
+            if spec.is_ignored(t.name):
+                continue  # e.g. rope_freqs: already in the config
+            raise ModelFormatError(f"{path}: tensor {t.name!r} is not part of a {spec.name} model")
+        canonical, rule = mapped
+        if canonical in weights:
+            raise ModelFormatError(f"{path}: tensor {t.name!r} appears twice")
+        weights[canonical] = _weight(t, canonical, rule, spec, path)
+    config = check_weights(config, spec, weights, str(path), "gguf")
     return LoadedModel(config=config, weights=weights, source=str(path), gguf_reader=reader, keepalive=[reader])
 
 

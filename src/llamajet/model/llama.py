@@ -1,20 +1,24 @@
-"""The Llama-3 forward pass as a graph of named ops.
+"""The Llama-3 forward pass as a graph of named ops, and Llama's tensor spec.
 
 Reads like the paper: per block,
     h = x + o_proj(attention(rope(q_proj(norm(x))), rope(k_proj(...)), v_proj(...)))
     x = h + down(silu(gate(norm(h))) * up(norm(h)))
-then the final norm and the LM head on the rows whose logits are wanted.
-Nothing here runs: it only describes. Names follow GGUF (``blk.3.attn_q``);
-operands are named by the fields of each op's params struct (graph/ir.py).
+then the final norm and the LM head on the rows whose logits are wanted. A
+projection adds its bias where the checkpoint has one (Llama's attention_bias
+/ mlp_bias; Qwen2's q/k/v, model/qwen2.py). Nothing here runs: it only
+describes. Names follow GGUF (``blk.3.attn_q``); operands are named by the
+fields of each op's params struct (graph/ir.py).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from llamajet import ops
 from llamajet.config import ModelConfig
+from llamajet.formats.weight import Kind, float_weight
 from llamajet.graph.ir import Graph
+from llamajet.model.registry import register
+from llamajet.model.spec import ArchSpec, decoder_tensors
 from llamajet.ops import ref
 
 
@@ -24,11 +28,8 @@ def rope_tables(cfg: ModelConfig, max_pos: int):
     Angles are formed in float64 (ops/ref.py) and rounded once, so positions in
     the thousands keep full fp32 accuracy (HF forms them in fp32; the
     difference is below fp32 resolution of the rotated values, ~1e-7 relative)."""
-    from llamajet.loaders import WeightTensor
-
     cos, sin = ref.rope_tables(cfg.rope_inv_freq(), max_pos)
-    c, s = (np.ascontiguousarray(a, np.float32) for a in (cos, sin))
-    return WeightTensor("rope_cos", "f32", c.shape, c), WeightTensor("rope_sin", "f32", s.shape, s)
+    return float_weight("rope_cos", Kind.TABLE, cos), float_weight("rope_sin", Kind.TABLE, sin)
 
 
 def build_graph(cfg: ModelConfig, weights: dict, max_pos: int) -> Graph:
@@ -50,7 +51,10 @@ def build_graph(cfg: ModelConfig, weights: dict, max_pos: int) -> Graph:
         return g.tensor(name, shape)
 
     def matmul(name: str, x: str, weight: str, out: str) -> None:
-        g.add(name, "matmul", {"x": x, "w": w(weight)}, {"out": out})
+        ins = {"x": x, "w": w(weight)}
+        if f"{weight}.bias" in weights:
+            ins["bias"] = w(f"{weight}.bias")
+        g.add(name, "matmul", ins, {"out": out})
 
     tokens = g.tensor("tokens", ("T",), "i32", kind="input")
     x = act("embd", "T", D)
@@ -111,3 +115,15 @@ def build_graph(cfg: ModelConfig, weights: dict, max_pos: int) -> Graph:
     g.outputs += [logits, greedy]
     g.verify()
     return g
+
+
+LLAMA = register(ArchSpec(
+    "llama",
+    decoder_tensors(qkv_bias=lambda c: c.attention_bias, o_bias=lambda c: c.attention_bias,
+                    mlp_bias=lambda c: c.mlp_bias),
+    build_graph,
+    gguf_rope_interleaved=True,  # llama.cpp's converter permutes q/k rows to interleaved pairs
+    # rotary buffers some HF checkpoints carry; llama.cpp's precomputed llama3
+    # RoPE divisors (ModelConfig.rope_freq_factors): config, not weights
+    ignored=("model.layers.{i}.self_attn.rotary_emb.inv_freq", "rope_freqs.weight"),
+))

@@ -6,7 +6,10 @@ Weights are stacked for fused ops by their owner, the formats layer
 
 from __future__ import annotations
 
+import numpy as np
+
 from llamajet import ops
+from llamajet.formats.weight import Kind, float_weight
 from llamajet.graph.ir import Graph, Node
 
 
@@ -19,9 +22,10 @@ def only_consumer(graph: Graph, tensor: str) -> Node | None:
 
 
 def plain_matmul(n: Node | None) -> bool:
-    """A matmul no pass has touched: input x, weights w, output out, nothing fused."""
-    return (n is not None and n.op == "matmul" and set(n.inputs) == {"x", "w"} and set(n.outputs) == {"out"}
-            and not n.attrs)
+    """A matmul no pass has touched: input x, weights w (and maybe a bias),
+    output out, nothing fused."""
+    return (n is not None and n.op == "matmul" and set(n.inputs) - {"bias"} == {"x", "w"}
+            and set(n.outputs) == {"out"} and not n.attrs)
 
 
 def quant_readers(graph: Graph, t: str, ctx) -> int | None:
@@ -53,3 +57,18 @@ def prequant_copy(graph: Graph, t: str, name: str, group: int) -> str:
         r.inputs["qin"] = tq
         r.attrs["prologue"] = ops.Prologue.PREQUANT
     return tq
+
+
+def biases(graph: Graph, nodes: list[Node], name: str):
+    """The biases of matmuls `nodes` (zeros for one without: adding 0 changes
+    nothing), or None when none has one."""
+    if not any("bias" in n.inputs for n in nodes):
+        return None
+    out = []
+    for n in nodes:
+        if "bias" in n.inputs:
+            out.append(graph.weights[n.inputs["bias"]])
+        else:
+            rows = graph.weights[n.inputs["w"]].shape[0]
+            out.append(float_weight(f"{name}.{len(out)}", Kind.BIAS, np.zeros(rows, np.float32)))
+    return out

@@ -4,7 +4,8 @@ load) whose epilogue computes silu(gate) * up.
 
 Pattern: matmul(h, Wg) -> g, matmul(h, Wu) -> u, swiglu(g, u) -> s.
 Legality: same input; g and u read only by the swiglu; one storage kind and
-K; F (rows of each) a whole number of 16-row tiles.
+K; F (rows of each) a whole number of 16-row tiles. Biases (Llama's
+mlp_bias) are interleaved like their rows.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from llamajet import ops
 from llamajet.formats.stack import interleave_tiles, same_kind
 from llamajet.graph.ir import Graph
-from llamajet.graph.passes._match import only_consumer, plain_matmul
+from llamajet.graph.passes._match import biases, only_consumer, plain_matmul
 
 
 def run(graph: Graph, ctx) -> list[str]:
@@ -30,12 +31,16 @@ def run(graph: Graph, ctx) -> list[str]:
             continue
         wname = f"{mg.name.rsplit('.', 1)[0]}.ffn_gate_up"
         graph.weight(wname, interleave_tiles(wname, wg, wu))
+        ins = {"x": mg.inputs["x"], "w": wname}
+        bs = biases(graph, [mg, mu], wname)
+        if bs:
+            ins["bias"] = graph.weight(f"{wname}.bias", interleave_tiles(f"{wname}.bias", *bs))
         pos = min(graph.index(mg), graph.index(mu))
         for n in (mg, mu, sw):
             graph.nodes.remove(n)
         for t in (g, u):
             del graph.tensors[t]
-        fused = graph.add(wname, "matmul", {"x": mg.inputs["x"], "w": wname}, {"out": sw.outputs["out"]},
+        fused = graph.add(wname, "matmul", ins, {"out": sw.outputs["out"]},
                           epilogue=ops.Epilogue.SWIGLU)
         graph.insert(pos, fused)
         log.append(f"gate_up: {mg.name} + {mu.name} + {sw.name} -> {wname}")

@@ -9,7 +9,9 @@ Legality: the three matmuls read the same input; q and k have no consumer
 outside the pattern (k_rot and v keep theirs: the kv_write); the weights have
 one storage kind and K; q and k columns are whole 16-column tiles and whole
 heads. Q/K rows in rotate-half order are permuted to interleaved order when
-stacked, so the epilogue's RoPE pairs sit side by side in every tile.
+stacked, so the epilogue's RoPE pairs sit side by side in every tile. Biases
+(Qwen2's q/k/v) are stacked and permuted like their rows (a matmul without
+one gets zeros), and the epilogue adds them before RoPE.
 
 The KV-cache write stays a kv_write op on purpose: the epilogue once wrote
 the cache itself, but a weight tile's epilogue covers every token of the
@@ -25,7 +27,7 @@ from __future__ import annotations
 from llamajet import ops
 from llamajet.formats.stack import rope_interleave_rows, same_kind, stack_rows
 from llamajet.graph.ir import Graph
-from llamajet.graph.passes._match import only_consumer, plain_matmul
+from llamajet.graph.passes._match import biases, only_consumer, plain_matmul
 
 
 def run(graph: Graph, ctx) -> list[str]:
@@ -55,17 +57,24 @@ def run(graph: Graph, ctx) -> list[str]:
         if (not same_kind(ws) or nq % ops.TILE or nk % ops.TILE or ws[2].shape[0] != nk
                 or nq != H * hd or nk != KVH * hd or rk.attrs["head_dim"] != hd):
             continue
-        wq = rope_interleave_rows(ws[0], H, hd) if not rq.attrs["interleaved"] else ws[0]
-        wk = rope_interleave_rows(ws[1], KVH, hd) if not rk.attrs["interleaved"] else ws[1]
         wname = f"{mq.name.rsplit('.', 1)[0]}.attn_qkv"
-        graph.weight(wname, stack_rows(wname, [wq, wk, ws[2]]))
+        bs = biases(graph, [mq, mk, mv], wname)
+        parts = [ws] + ([bs] if bs else [])
+        for p in parts:  # rows and their biases alike: interleaved RoPE pairs
+            if not rq.attrs["interleaved"]:
+                p[0] = rope_interleave_rows(p[0], H, hd)
+            if not rk.attrs["interleaved"]:
+                p[1] = rope_interleave_rows(p[1], KVH, hd)
+        graph.weight(wname, stack_rows(wname, ws))
+        ins = {"x": h, "w": wname, "cos": rq.inputs["cos"], "sin": rq.inputs["sin"]}
+        if bs:
+            ins["bias"] = graph.weight(f"{wname}.bias", stack_rows(f"{wname}.bias", bs))
         pos = graph.index(mq)
         for n in (mq, mk, mv, rq, rk):
             graph.nodes.remove(n)
         for t in (q, k):
             del graph.tensors[t]
-        fused = graph.add(wname, "matmul", {"x": h, "w": wname, "cos": rq.inputs["cos"], "sin": rq.inputs["sin"]},
-                          {"out": rq.outputs["out"], "k_out": rk.outputs["out"], "v_out": v},
+        fused = graph.add(wname, "matmul", ins, {"out": rq.outputs["out"], "k_out": rk.outputs["out"], "v_out": v},
                           epilogue=ops.Epilogue.QKV, head_dim=hd)
         graph.insert(pos, fused)
         log.append(f"qkv: {mq.name} + {mk.name} + {mv.name} + {rq.name} + {rk.name} -> {wname} "

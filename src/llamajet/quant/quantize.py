@@ -1,13 +1,14 @@
-"""``llamajet quantize``: a checkpoint -> llamajet's saved format (loaders/llamajet.py).
+"""``llamajet quantize``: a checkpoint -> llamajet's saved format (formats/saved.py).
 
 What each tensor becomes, for ``scheme`` = a registered scheme S:
-  - norms: F32 (tiny; the rmsnorm kernel reads fp32);
+  - norms and biases: F32 (tiny; the kernels read fp32);
   - a GGUF Q4_0 / Q4_1 / Q8_0 matrix whose lossless twin is S (Q4_0 = int4_sym_g32,
     Q4_1 = int4_asym_g32, Q8_0 = int8_g32): repacked without loss (``repack_gguf``);
   - a matrix already packed in S (a saved model as input): copied as it is;
-  - every other matrix (f32/f16/bf16, a GGUF type of another scheme, GGUF K-quants,
-    which the loader has dequantized): RTN-quantized to S (``quantize_rtn``), the
-    same call ``LLM(path, quantize=S)`` makes at load, so the two run the same bytes.
+  - every other matrix or embedding (f32/f16/bf16, a GGUF type of another scheme,
+    GGUF K-quants, which the loader has dequantized): RTN-quantized to S (the C++
+    quantizer, bit for bit ``formats.packed.quantize_rtn``), the same call
+    ``LLM(path, quantize=S)`` makes at load, so the two run the same bytes.
 For ``scheme="keep"``: exactly the weights ``LLM(path)`` runs on the fast path —
 Q4_0/Q4_1/Q8_0 matrices repacked without loss (a Q4_1 GGUF with a Q8_0
 embedding stays mixed), packed ones as they are, float matrices unquantized in
@@ -21,26 +22,23 @@ is written last, so a folder holding it is complete.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
-import numpy as np
-
+from llamajet import ops
 from llamajet.errors import LlamajetError
+from llamajet.formats import saved
+from llamajet.formats.gguf_blocks import LOSSLESS, repack_gguf
+from llamajet.formats.layout import FLOATS
+from llamajet.formats.saved import META_FILE, WEIGHTS_FILE, SavedTensor
+from llamajet.formats.schemes import QuantScheme, get_scheme, schemes
+from llamajet.formats.weight import Weight
 from llamajet.loaders import LoadedModel, load_model
-from llamajet.loaders.llamajet import (ALIGN, FLOAT_DTYPES, MAGIC, META_FILE, PAD_PREFIX, WEIGHTS_FILE,
-                                       config_to_json, packed_storage_shape)
-from llamajet.quant.pack import PackedWeight, quantize_rtn, repack_gguf
-from llamajet.quant.schemes import FORMAT_VERSION, QuantScheme, get_scheme, schemes
 from llamajet.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_gguf
 
 KEEP = "keep"
-# GGUF block types -> the scheme that holds them without loss (as repack_gguf maps them)
-LOSSLESS = {"q4_0": "int4_sym_g32", "q4_1": "int4_asym_g32", "q8_0": "int8_g32"}
 
 
 def check_scheme(name: str) -> QuantScheme | None:
@@ -78,81 +76,28 @@ class QuantizeSummary:
                 f"  time:    {self.seconds:.2f} s")
 
 
-@dataclass
-class _Item:
-    """One tensor of the output: its llamajet.json entry, its safetensors entry,
-    and how to produce its bytes (called once, while writing)."""
-    name: str
-    info: dict            # llamajet.json entry
-    st_dtype: str         # safetensors dtype
-    st_shape: tuple[int, ...]
-    nbytes: int
-    produce: Callable[[], np.ndarray]
-    what: str             # summary bucket
+def _plan(w: Weight, sch: QuantScheme | None) -> tuple[SavedTensor, str]:
+    """What `w` becomes in the saved model, and the summary bucket it counts in."""
+    shape, inter = tuple(w.shape), w.rope_interleaved
 
+    def packed(s: QuantScheme, produce, what):
+        return SavedTensor(w.name, w.kind, s, shape, inter, produce), what
 
-def _plan(name: str, w, sch: QuantScheme | None) -> _Item:
-    inter = bool(getattr(w, "rope_interleaved", False))
-    shape = tuple(int(v) for v in w.shape)
-    base = {"shape": list(shape), "rope_interleaved": inter}
+    def requant(s: QuantScheme):  # the C++ quantizer LLM(path, quantize=S) uses at load
+        return lambda: ops.quantize_packed(s.code, s.group_for(shape[1]), w.to_f32())
 
-    def packed(s: QuantScheme, produce, what) -> _Item:
-        st = packed_storage_shape(s, shape)
-        return _Item(name, {"scheme": s.name, **base}, "U8", st, int(np.prod(st)), produce, what)
-
-    def floating(dtype: str, produce, what) -> _Item:
-        st_dtype, np_dtype = FLOAT_DTYPES[dtype]
-        nbytes = int(np.prod(shape)) * np.dtype(np_dtype).itemsize
-        return _Item(name, {"dtype": dtype, **base}, st_dtype, shape, nbytes, produce, what)
-
-    if name.endswith("_norm"):  # NOTE: the same rule as quant/convert.py's _is_matrix
-        return floating("f32", w.to_f32, "norms (f32)")
-    if isinstance(w, PackedWeight):
+    if not w.kind.quantizable:  # norms, biases: f32 (the kernels read fp32)
+        return SavedTensor(w.name, w.kind, FLOATS["f32"], shape, inter, w.to_f32), f"{w.kind.value}s (f32)"
+    if w.packed:
         if sch is None or w.scheme == sch:
             return packed(w.scheme, lambda: w.data, f"copied packed ({w.scheme.name})")
-        return packed(sch, lambda: quantize_rtn(name, w.to_f32(), sch).data,
-                      f"re-quantized {w.scheme.name}->{sch.name}")
+        return packed(sch, requant(sch), f"re-quantized {w.scheme.name}->{sch.name}")
     if w.dtype in LOSSLESS and (sch is None or sch.name == LOSSLESS[w.dtype]):
         s = get_scheme(LOSSLESS[w.dtype])
-        return packed(s, lambda: repack_gguf(name, w.data, w.dtype, shape, inter).data,
-                      f"repacked losslessly ({w.dtype}->{s.name})")
+        return packed(s, lambda: repack_gguf(w).data, f"repacked losslessly ({w.dtype}->{s.name})")
     if sch is None:  # keep: a float matrix stays float, in its own dtype (bf16 as raw bits)
-        return floating(w.dtype, lambda: w.data, f"kept float ({w.dtype})")
-    return packed(sch, lambda: quantize_rtn(name, w.to_f32(), sch).data, f"RTN {w.dtype}->{sch.name}")
-
-
-def _write_safetensors(path: Path, items: list[_Item]) -> int:
-    """Streams ``items`` into a safetensors file, each tensor 64-byte aligned
-    (padding tensors fill the gaps). Returns the file size."""
-    header: dict = {"__metadata__": {"format": MAGIC, "format_version": str(FORMAT_VERSION)}}
-    order: list[tuple[_Item | None, int]] = []  # (tensor, or None for a padding of n bytes)
-    off = 0
-    for it in items:
-        pad = -off % ALIGN
-        if pad:
-            header[f"{PAD_PREFIX}{len(order)}"] = {"dtype": "U8", "shape": [pad], "data_offsets": [off, off + pad]}
-            order.append((None, pad))
-            off += pad
-        header[it.name] = {"dtype": it.st_dtype, "shape": list(it.st_shape), "data_offsets": [off, off + it.nbytes]}
-        order.append((it, it.nbytes))
-        off += it.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    text += b" " * (-(8 + len(text)) % ALIGN)  # the spec pads the header with spaces; data starts aligned
-    with open(path, "wb") as f:
-        f.write(len(text).to_bytes(8, "little"))
-        f.write(text)
-        for it, n in order:
-            if it is None:
-                f.write(bytes(n))
-                continue
-            data = np.ascontiguousarray(it.produce())
-            if data.nbytes != it.nbytes:  # a layout bug, never a user error
-                raise AssertionError(f"{it.name}: produced {data.nbytes} bytes, planned {it.nbytes}")
-            f.write(data.view(np.uint8).reshape(-1).data)
-        size = f.tell()
-    if size != 8 + len(text) + off:
-        raise AssertionError(f"{path}: wrote {size} bytes, planned {8 + len(text) + off}")
-    return size
+        return SavedTensor(w.name, w.kind, w.format, shape, inter, lambda: w.data), f"kept float ({w.dtype})"
+    return packed(sch, requant(sch), f"RTN {w.dtype}->{sch.name}")
 
 
 # --- tokenizer ----------------------------------------------------------------------
@@ -246,13 +191,6 @@ def _check_out(src: Path, out: Path, force: bool) -> None:
             raise LlamajetError(f"{out}: is where the source lives; write the output elsewhere")
 
 
-def _meta_text(meta: dict) -> str:
-    """llamajet.json, indented, one line per tensor (a diff or a grep reads it)."""
-    head = json.dumps({k: v for k, v in meta.items() if k != "tensors"}, indent=1)
-    rows = ",\n".join(f"  {json.dumps(n)}: {json.dumps(i)}" for n, i in meta["tensors"].items())
-    return head[:-2] + ',\n "tensors": {\n' + rows + "\n }\n}\n"
-
-
 def quantize_model(src: str | Path, out: str | Path, scheme: str, force: bool = False) -> QuantizeSummary:
     """Convert the checkpoint ``src`` (HF folder, GGUF, or a saved model) into a
     saved llamajet model in folder ``out`` (see the module docstring)."""
@@ -262,37 +200,18 @@ def quantize_model(src: str | Path, out: str | Path, scheme: str, force: bool = 
     _check_out(src, out, force)
     model = load_model(src)  # before touching out: a bad input leaves nothing behind
     tok = _source_tokenizer(model, src)
-    items = [_plan(name, w, sch) for name, w in model.weights.items()]
+    plans = [_plan(w, sch) for w in model.weights.values()]
 
     out.mkdir(parents=True, exist_ok=True)
-    # NOTE: a stale llamajet.json goes first, so an interrupted run leaves no
-    # folder that looks complete.
-    (out / META_FILE).unlink(missing_ok=True)
-    tmp = out / (WEIGHTS_FILE + ".tmp")
-    try:
-        size = _write_safetensors(tmp, items)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, out / WEIGHTS_FILE)
+    size, entries = saved.write_weights(out, [t for t, _ in plans])
     _write_tokenizer(tok, src, out, model.config.max_position_embeddings)
     _check_tokenizer(tok, out)
-    meta = {
-        "magic": MAGIC,
-        "format_version": FORMAT_VERSION,
-        "scheme": scheme,
-        "source": src.name,
-        "config": config_to_json(model.config),
-        "tensors": {it.name: it.info for it in items},
-    }
-    tmp = out / (META_FILE + ".tmp")
-    tmp.write_text(_meta_text(meta), encoding="utf-8")
-    os.replace(tmp, out / META_FILE)
+    saved.write_meta(out, model.config, entries, scheme=scheme, source=src.name)
     load_model(out)  # the folder must load: headers, sizes, config (maps, reads no weight bytes)
 
     counts: dict[str, int] = {}
-    for it in items:
-        counts[it.what] = counts.get(it.what, 0) + 1
+    for _, what in plans:
+        counts[what] = counts.get(what, 0) + 1
     return QuantizeSummary(str(src), str(out), scheme, counts, _bytes_in(src), size, time.perf_counter() - t0)
 
 

@@ -1,9 +1,10 @@
-"""Weight quantization schemes: named, frozen, registered, versioned.
+"""Packed weight schemes: named, frozen, registered, versioned.
 
-Every packed weight is one of these. The packed *layout* (how codes and
-scales are arranged for the kernels) is described in ``quant/pack.py``;
-bumping FORMAT_VERSION is required whenever that layout changes, so a saved
-model from an older layout is refused instead of silently misread.
+A scheme is one of the storage formats a Weight can have (formats/layout.py):
+its matrices are packed for the kernels in tiles of 16 rows and groups of
+`group` along K (the layout is formats/packed.py's). Bumping FORMAT_VERSION is
+required whenever that layout changes, so a saved model from an older layout
+is refused instead of silently misread.
 
 Value of a weight, by kind (codes are unsigned bytes, scales fp16):
   int4 sym : w = d * (c - 8)        c in 0..15
@@ -15,8 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
+from llamajet import ops
+from llamajet.errors import LlamajetError
+
 FORMAT_VERSION = 1
-TILE_ROWS = 16  # rows interleaved per tile: one AVX-512 vector of int32 lanes
 
 
 @dataclass(frozen=True)
@@ -27,9 +32,17 @@ class QuantScheme:
     symmetric: bool
     scale_dtype: str = "f16"
 
+    packed = True          # tiles of 16 rows, groups along K (formats/packed.py)
+    np_dtype = np.uint8    # storage: bytes [tiles, groups, block bytes]
+
     @property
-    def kind(self) -> str:  # the kernels' storage type name
-        return {(4, True): "pk_i4s", (4, False): "pk_i4a", (8, True): "pk_i8"}[(self.bits, self.symmetric)]
+    def code(self) -> ops.DType:  # the kernels' storage type
+        return {(4, True): ops.DType.PK_I4S, (4, False): ops.DType.PK_I4A, (8, True): ops.DType.PK_I8}[
+            (self.bits, self.symmetric)]
+
+    @property
+    def kind(self) -> str:  # the storage type's name ("pk_i4a")
+        return ops.dtype_name(self.code)
 
     def group_for(self, k: int) -> int:
         """Group length used for a row of k elements (per channel: the padded row)."""
@@ -39,6 +52,20 @@ class QuantScheme:
         """K rounded up to whole groups; the tail is zero weights (and zero activations)."""
         g = self.group_for(k)
         return -(-k // g) * g
+
+    def block_bytes(self, k: int) -> int:
+        """Bytes of one (16-row tile, group) block for rows of k elements."""
+        return ops.packed_block_bytes(self.code, self.group_for(k))
+
+    def storage_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        n, k = shape
+        g = self.group_for(k)
+        return -(-n // ops.TILE), self.k_padded(k) // g, self.block_bytes(k)
+
+    def to_f32(self, data: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        from llamajet.formats.packed import dequantize_data
+
+        return dequantize_data(self, data, shape).astype(np.float32)
 
 
 _REGISTRY: dict[str, QuantScheme] = {}
@@ -62,8 +89,6 @@ def get_scheme(name: str) -> QuantScheme:
     try:
         return _REGISTRY[name]
     except KeyError:
-        from llamajet.errors import LlamajetError
-
         raise LlamajetError(f"unknown quantization scheme {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
 
 

@@ -1,6 +1,6 @@
-"""Packed weight layout for the kernels, and its numpy reference.
+"""The packed weight layout for the kernels, and its numpy reference.
 
-A packed [N, K] matrix is cut into tiles of TILE_ROWS (16) rows and, along
+A packed [N, K] matrix is cut into tiles of ops.TILE (16) rows and, along
 K, into groups of G elements (N and K padded up; padded rows are zero,
 padded columns repeat the row's last value so group statistics are not
 distorted; activations are zero there, so they never contribute). Storage is
@@ -27,59 +27,14 @@ codes computed with the rounded scale:
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-
 import numpy as np
 
-from llamajet.quant.schemes import FORMAT_VERSION, TILE_ROWS, QuantScheme, get_scheme
+from llamajet import ops
+from llamajet.formats.schemes import QuantScheme, get_scheme
+from llamajet.formats.weight import Kind, Weight
 
 F16 = np.float16
-
-
-def block_bytes(scheme: QuantScheme, g: int) -> int:
-    codes = TILE_ROWS * g // 2 if scheme.bits == 4 else TILE_ROWS * g
-    return codes + 2 * TILE_ROWS * (1 if scheme.symmetric else 2)
-
-
-@dataclass(frozen=True, eq=False)
-class PackedWeight:
-    """A weight matrix in a packed scheme (see the module docstring)."""
-
-    name: str
-    scheme: QuantScheme
-    shape: tuple[int, int]  # logical [N, K]
-    data: np.ndarray        # uint8 [n_tiles, n_groups, block_bytes]
-    version: int = FORMAT_VERSION
-    rope_interleaved: bool = False  # carried over from the loaded weight (see loaders)
-
-    packed = True  # tile-interleaved storage (loaders.WeightTensor: row-major)
-
-    @property
-    def dtype(self) -> str:  # the kernels' storage type name
-        return self.scheme.kind
-
-    @property
-    def group(self) -> int:
-        return self.scheme.group_for(self.shape[1])
-
-    @property
-    def k_pad(self) -> int:
-        return self.scheme.k_padded(self.shape[1])
-
-    @property
-    def n_pad(self) -> int:
-        return -(-self.shape[0] // TILE_ROWS) * TILE_ROWS
-
-    @property
-    def n_groups(self) -> int:
-        return self.k_pad // self.group
-
-    def to_f32(self) -> np.ndarray:
-        return dequantize(self).astype(np.float32)
-
-
-# ------------------------------------------------------------------ layout
+T = ops.TILE
 
 
 def _pad(a: np.ndarray, n_pad: int, k_pad: int, fill_rows=0) -> np.ndarray:
@@ -92,75 +47,90 @@ def _pad(a: np.ndarray, n_pad: int, k_pad: int, fill_rows=0) -> np.ndarray:
 
 
 def pack(name: str, scheme: QuantScheme, shape: tuple[int, int], codes: np.ndarray, d: np.ndarray,
-         m: np.ndarray | None = None) -> PackedWeight:
+         m: np.ndarray | None = None, kind: Kind = Kind.MATRIX, rope_interleaved: bool = False) -> Weight:
     """Lays out codes [N_pad, K_pad] (uint8 for int4, int8 for int8) and fp16
     scales d (and mins m) [N_pad, n_groups] in the kernels' order."""
     n_pad, k_pad = codes.shape
     g = scheme.group_for(shape[1])
-    nt, ng = n_pad // TILE_ROWS, k_pad // g
-    c = np.ascontiguousarray(codes).view(np.uint8).reshape(nt, TILE_ROWS, ng, g).transpose(0, 2, 1, 3)
+    nt, ng = n_pad // T, k_pad // g
+    c = np.ascontiguousarray(codes).view(np.uint8).reshape(nt, T, ng, g).transpose(0, 2, 1, 3)
     if scheme.bits == 4:
-        c = c.reshape(nt, ng, TILE_ROWS, g // 8, 2, 4)
+        c = c.reshape(nt, ng, T, g // 8, 2, 4)
         c = (c[..., 0, :] | (c[..., 1, :] << 4)).transpose(0, 1, 3, 2, 4)  # [nt, ng, chunk, row, 4]
     else:
-        c = c.reshape(nt, ng, TILE_ROWS, g // 4, 4).transpose(0, 1, 3, 2, 4)
+        c = c.reshape(nt, ng, T, g // 4, 4).transpose(0, 1, 3, 2, 4)
     parts = [c.reshape(nt, ng, -1)]
     for s in (d, m) if m is not None else (d,):
-        parts.append(np.ascontiguousarray(s.astype(F16)).view(np.uint8).reshape(nt, TILE_ROWS, ng, 2)
-                     .transpose(0, 2, 1, 3).reshape(nt, ng, 2 * TILE_ROWS))
+        parts.append(np.ascontiguousarray(s.astype(F16)).view(np.uint8).reshape(nt, T, ng, 2)
+                     .transpose(0, 2, 1, 3).reshape(nt, ng, 2 * T))
     data = np.ascontiguousarray(np.concatenate(parts, axis=-1))
-    assert data.shape[-1] == block_bytes(scheme, g)
-    return PackedWeight(name, scheme, tuple(shape), data)
+    assert data.shape[-1] == scheme.block_bytes(shape[1])
+    return Weight(name, kind, scheme, tuple(shape), data, rope_interleaved)
 
 
-def unpack(pw: PackedWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def _geometry(scheme: QuantScheme, shape: tuple[int, int]):
+    n, k = shape
+    g = scheme.group_for(k)
+    n_pad, k_pad = -(-n // T) * T, scheme.k_padded(k)
+    return g, n_pad, k_pad, n_pad // T, k_pad // g
+
+
+def unpack_data(scheme: QuantScheme, data: np.ndarray, shape: tuple[int, int]):
     """Inverse of pack: codes [N_pad, K_pad], d and m [N_pad, n_groups] (fp16)."""
-    s, g, nt, ng = pw.scheme, pw.group, pw.n_pad // TILE_ROWS, pw.n_groups
-    cb = block_bytes(s, g) - 2 * TILE_ROWS * (1 if s.symmetric else 2)
-    raw = pw.data.reshape(nt, ng, -1)
+    g, n_pad, k_pad, nt, ng = _geometry(scheme, shape)
+    cb = scheme.block_bytes(shape[1]) - 2 * T * (1 if scheme.symmetric else 2)
+    raw = data.reshape(nt, ng, -1)
     c = raw[..., :cb]
-    if s.bits == 4:
-        c = c.reshape(nt, ng, g // 8, TILE_ROWS, 4).transpose(0, 1, 3, 2, 4)
-        c = np.stack([c & 0x0F, c >> 4], axis=-2).reshape(nt, ng, TILE_ROWS, g)
-        codes = c
+    if scheme.bits == 4:
+        c = c.reshape(nt, ng, g // 8, T, 4).transpose(0, 1, 3, 2, 4)
+        codes = np.stack([c & 0x0F, c >> 4], axis=-2).reshape(nt, ng, T, g)
     else:
-        codes = c.reshape(nt, ng, g // 4, TILE_ROWS, 4).transpose(0, 1, 3, 2, 4).reshape(
-            nt, ng, TILE_ROWS, g).view(np.int8)
-    codes = codes.transpose(0, 2, 1, 3).reshape(pw.n_pad, pw.k_pad)
+        codes = c.reshape(nt, ng, g // 4, T, 4).transpose(0, 1, 3, 2, 4).reshape(nt, ng, T, g).view(np.int8)
+    codes = codes.transpose(0, 2, 1, 3).reshape(n_pad, k_pad)
 
     def scales(off):
-        return np.ascontiguousarray(raw[..., off : off + 2 * TILE_ROWS]).view(F16).reshape(
-            nt, ng, TILE_ROWS).transpose(0, 2, 1).reshape(pw.n_pad, ng)
+        return np.ascontiguousarray(raw[..., off : off + 2 * T]).view(F16).reshape(
+            nt, ng, T).transpose(0, 2, 1).reshape(n_pad, ng)
 
     d = scales(cb)
-    m = None if s.symmetric else scales(cb + 2 * TILE_ROWS)
+    m = None if scheme.symmetric else scales(cb + 2 * T)
     return codes, d, m
 
 
-def dequantize(pw: PackedWeight) -> np.ndarray:
-    """float64 [N, K] values of a packed weight."""
-    codes, d, m = unpack(pw)
-    g = pw.group
-    c = codes.astype(np.float64).reshape(pw.n_pad, pw.n_groups, g)
+def unpack(w: Weight):
+    """Codes [N_pad, K_pad], d and m [N_pad, n_groups] of a packed weight."""
+    return unpack_data(w.scheme, w.data, w.shape)
+
+
+def dequantize_data(scheme: QuantScheme, data: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """float64 [N, K] values of packed storage."""
+    codes, d, m = unpack_data(scheme, data, shape)
+    g, n_pad, k_pad, _, ng = _geometry(scheme, shape)
+    c = codes.astype(np.float64).reshape(n_pad, ng, g)
     dd = d.astype(np.float64)[..., None]
-    if pw.scheme.bits == 8:
+    if scheme.bits == 8:
         w = dd * c
-    elif pw.scheme.symmetric:
+    elif scheme.symmetric:
         w = dd * (c - 8.0)
     else:
         w = dd * c + m.astype(np.float64)[..., None]
-    return w.reshape(pw.n_pad, pw.k_pad)[: pw.shape[0], : pw.shape[1]]
+    return w.reshape(n_pad, k_pad)[: shape[0], : shape[1]]
+
+
+def dequantize(w: Weight) -> np.ndarray:
+    """float64 [N, K] values of a packed weight."""
+    return dequantize_data(w.scheme, w.data, w.shape)
 
 
 # ------------------------------------------------------------------ quantizers
 
 
-def quantize_rtn(name: str, w: np.ndarray, scheme: QuantScheme | str) -> PackedWeight:
+def quantize_rtn(name: str, w: np.ndarray, scheme: QuantScheme | str, kind: Kind = Kind.MATRIX,
+                 rope_interleaved: bool = False) -> Weight:
     """Round-to-nearest quantization of float weights [N, K] (rule: module docstring)."""
     scheme = get_scheme(scheme) if isinstance(scheme, str) else scheme
     n, k = w.shape
-    g = scheme.group_for(k)
-    n_pad, k_pad = -(-n // TILE_ROWS) * TILE_ROWS, scheme.k_padded(k)
+    g, n_pad, k_pad, _, _ = _geometry(scheme, (n, k))
     x = _pad(np.asarray(w, np.float32), n_pad, k_pad).reshape(n_pad, k_pad // g, g)
     one = np.float32(1)
     if scheme.bits == 4 and scheme.symmetric:
@@ -180,37 +150,7 @@ def quantize_rtn(name: str, w: np.ndarray, scheme: QuantScheme | str) -> PackedW
         inv = np.divide(one, d.astype(np.float32), out=np.zeros(d.shape, np.float32), where=d != 0)
         codes = np.clip(np.rint(x * inv[..., None]), -127, 127).astype(np.int8)
         m = None
-    return pack(name, scheme, (n, k), codes.reshape(n_pad, k_pad), d, m)
-
-
-def repack_gguf(name: str, raw: np.ndarray, ggml_type: str, shape: tuple[int, int],
-                rope_interleaved: bool = False) -> PackedWeight:
-    """GGUF Q4_0 / Q4_1 / Q8_0 blocks -> the equivalent packed scheme, without loss:
-    Q4_0 = int4 sym g32, Q4_1 = int4 asym g32 (its min is our m), Q8_0 = int8 g32."""
-    n, k = shape
-    nb = k // 32
-    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(n, nb, -1)
-    d = blocks[..., 0:2].copy().view(F16)[..., 0]
-    m = None
-    if ggml_type == "q8_0":
-        scheme = get_scheme("int8_g32")
-        codes = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
-    else:
-        nib = blocks[..., -16:]
-        codes = np.concatenate([nib & 0x0F, nib >> 4], axis=-1).reshape(n, k)
-        if ggml_type == "q4_1":
-            scheme = get_scheme("int4_asym_g32")
-            m = blocks[..., 2:4].copy().view(F16)[..., 0]
-        elif ggml_type == "q4_0":
-            scheme = get_scheme("int4_sym_g32")
-        else:
-            raise ValueError(f"cannot repack {ggml_type!r} without loss")
-    n_pad = -(-n // TILE_ROWS) * TILE_ROWS
-    codes = _pad(codes, n_pad, k, fill_rows=0)
-    d = _pad(d, n_pad, nb, fill_rows=0)
-    m = _pad(m, n_pad, nb, fill_rows=0) if m is not None else None
-    pw = pack(name, scheme, (n, k), codes, d, m)
-    return dataclasses.replace(pw, rope_interleaved=rope_interleaved)
+    return pack(name, scheme, (n, k), codes.reshape(n_pad, k_pad), d, m, kind, rope_interleaved)
 
 
 # ------------------------------------------------------------------ activations
@@ -232,12 +172,12 @@ def quantize_activations(x: np.ndarray, g: int, k_pad: int) -> tuple[np.ndarray,
     return q.reshape(M, k_pad), dx, q.astype(np.int32).sum(axis=-1)
 
 
-def matmul_a8_reference(x: np.ndarray, pw: PackedWeight) -> np.ndarray:
+def matmul_a8_reference(x: np.ndarray, pw: Weight) -> np.ndarray:
     """float64 result of the W*A8 kernel's arithmetic: integer dot per group,
     then the group's scales (the kernels do this part in fp32)."""
     codes, d, m = unpack(pw)
-    g, ng = pw.group, pw.n_groups
-    q, dx, sq = quantize_activations(x, g, pw.k_pad)
+    g, _, k_pad, _, ng = _geometry(pw.scheme, pw.shape)
+    q, dx, sq = quantize_activations(x, g, k_pad)
     n = pw.shape[0]
     c = codes[:n].astype(np.int64).reshape(n, ng, g)
     acc = np.einsum("mgk,ngk->mng", q.astype(np.int64).reshape(-1, ng, g), c)  # exact integers

@@ -1,0 +1,99 @@
+"""Storage formats of weights: what a Weight's bytes mean.
+
+Three families, one small protocol (name, code, packed, np_dtype,
+storage_shape, group_for, to_f32):
+- FloatFormat: f32, f16, bf16 rows (bf16 held as raw uint16 bits);
+- BlockFormat: GGML blocks of 32 along K, as in GGUF files (q8_0, q4_0, q4_1;
+  block sizes from the C++ core, checked against the `gguf` package's in tests);
+- QuantScheme (formats/schemes.py): llamajet's packed, tile-interleaved schemes.
+`get_format(name)` finds any of them by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from llamajet import ops
+from llamajet.errors import LlamajetError
+from llamajet.formats.schemes import QuantScheme, get_scheme, schemes
+
+
+@dataclass(frozen=True)
+class FloatFormat:
+    name: str            # f32 | f16 | bf16
+    np_dtype: type       # numpy dtype of the storage (bf16: uint16 bits)
+
+    packed = False
+
+    @property
+    def code(self) -> ops.DType:
+        return ops.dtype(self.name)
+
+    def group_for(self, k: int) -> int:
+        return 0
+
+    def storage_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(shape)
+
+    def to_f32(self, data: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        if self.name == "f32":
+            return np.array(data, dtype=np.float32, copy=True)
+        if self.name == "f16":
+            return data.astype(np.float32)
+        return (data.astype(np.uint32) << 16).view(np.float32)  # bf16: the top half of an fp32
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    name: str            # q8_0 | q4_0 | q4_1: GGML blocks of QK elements along the last dim
+
+    packed = False
+    np_dtype = np.uint8
+
+    @property
+    def code(self) -> ops.DType:
+        return ops.dtype(self.name)
+
+    @property
+    def block_bytes(self) -> int:
+        return ops.ggml_block_bytes(self.code)
+
+    def group_for(self, k: int) -> int:
+        return 0
+
+    def storage_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if not shape or shape[-1] % ops.QK:
+            raise ValueError(f"{self.name} needs the last dim of {tuple(shape)} to be a multiple of {ops.QK}")
+        return (*shape[:-1], shape[-1] // ops.QK * self.block_bytes)
+
+    def to_f32(self, data: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        qtype = GGMLQuantizationType[self.name.upper()]
+        return np.ascontiguousarray(dequantize(data, qtype), dtype=np.float32).reshape(shape)
+
+
+Format = FloatFormat | BlockFormat | QuantScheme
+
+FLOATS = {f.name: f for f in (FloatFormat("f32", np.float32), FloatFormat("f16", np.float16),
+                              FloatFormat("bf16", np.uint16))}
+BLOCKS = {b.name: b for b in (BlockFormat("q8_0"), BlockFormat("q4_0"), BlockFormat("q4_1"))}
+
+
+def get_format(name: str) -> Format:
+    """The format called `name`: a float type, a GGML block type or a packed scheme."""
+    if name in FLOATS:
+        return FLOATS[name]
+    if name in BLOCKS:
+        return BLOCKS[name]
+    try:
+        return get_scheme(name)
+    except LlamajetError:
+        known = ", ".join([*FLOATS, *BLOCKS, *sorted(s.name for s in schemes())])
+        raise LlamajetError(f"unknown weight format {name!r}; known: {known}") from None
+
+
+__all__ = ["BLOCKS", "FLOATS", "BlockFormat", "FloatFormat", "Format", "QuantScheme", "get_format"]

@@ -1,0 +1,236 @@
+"""llamajet's own saved format: its reader and its writer, together.
+
+A folder (written by ``llamajet quantize``, quant/quantize.py):
+
+    llamajet.json        magic, format version, scheme, ModelConfig, one entry per tensor
+    model.safetensors    the tensors, every one a view of the mapped file when loaded
+    tokenizer.json, tokenizer_config.json, generation_config.json   (HF layout)
+
+``model.safetensors`` is a standard safetensors file (the ``safetensors``
+package reads it). Packed matrices are stored as U8 tensors of shape
+[n_tiles, n_groups, block_bytes], byte for byte the kernels' layout
+(formats/packed.py), so loading maps them and builds Weights around the
+views: no copy, no re-quantization. Norms and biases are F32; float matrices
+kept unquantized keep their dtype (F32 / F16 / BF16). Every tensor starts
+64-byte aligned in the file; the gaps are U8 padding tensors named ``__pad*``
+(safetensors allows no holes between tensors).
+
+``llamajet.json``::
+
+    {"magic": "llamajet", "format_version": 1, "scheme": "int4_asym_g32",
+     "config": {ModelConfig fields; rope_scaling an object or null},
+     "tensors": {"blk.0.attn_q": {"scheme": "int4_asym_g32", "shape": [N, K], "rope_interleaved": true,
+                                  "kind": "matrix"},
+                 "blk.0.attn_norm": {"dtype": "f32", "shape": [D], "rope_interleaved": false,
+                                     "kind": "norm"}, ...}}
+
+("kind" is checked against the architecture's tensor spec; files written
+before it was recorded load without it.) A format version other than
+FORMAT_VERSION is refused: the packed layout may have changed, and reading
+old bytes with a new layout would give wrong answers silently. NOTE: `write`
+writes llamajet.json last, so a folder holding it holds a complete model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+
+from llamajet.config import ModelConfig, RopeScaling
+from llamajet.errors import LlamajetError, ModelFormatError, UnsupportedModelError
+from llamajet.formats import safetensors as st
+from llamajet.formats.layout import FLOATS, Format, QuantScheme
+from llamajet.formats.schemes import FORMAT_VERSION, get_scheme, schemes
+from llamajet.formats.weight import Kind, Weight
+
+MAGIC = "llamajet"
+META_FILE = "llamajet.json"
+WEIGHTS_FILE = "model.safetensors"
+ALIGN = 64  # every tensor's first byte, in the file: one cache line / AVX-512 vector
+PAD_PREFIX = "__pad"
+
+
+# --- ModelConfig <-> JSON ---------------------------------------------------------------
+
+
+def config_to_json(cfg: ModelConfig) -> dict:
+    d = dataclasses.asdict(cfg)  # rope_scaling becomes a dict; tuples stay tuples (json writes lists)
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+
+
+def config_from_json(d, source: str) -> ModelConfig:
+    if not isinstance(d, dict):
+        raise ModelFormatError(f"{source}: 'config' must be an object")
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ModelFormatError(f"{source}: config has unknown fields {unknown}")
+    d = dict(d)
+    try:
+        if d.get("rope_scaling") is not None:
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        for key in ("eos_token_ids", "rope_freq_factors"):
+            if isinstance(d.get(key), list):
+                d[key] = tuple(d[key])
+        return ModelConfig(**d)
+    except (ModelFormatError, UnsupportedModelError) as e:
+        raise type(e)(f"{source}: config: {e}") from e
+    except TypeError as e:  # a missing field, or rope_scaling with wrong keys
+        raise ModelFormatError(f"{source}: config is incomplete or malformed ({e})") from e
+
+
+# --- reading ------------------------------------------------------------------------------
+
+
+def read_meta(folder: Path) -> dict:
+    """llamajet.json, with its magic and format version checked."""
+    path = folder / META_FILE
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelFormatError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFormatError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(meta, dict) or meta.get("magic") != MAGIC:
+        got = meta.get("magic") if isinstance(meta, dict) else type(meta).__name__
+        raise ModelFormatError(f"{path}: not a llamajet saved model (magic {got!r}, expected {MAGIC!r})")
+    version = meta.get("format_version")
+    if version != FORMAT_VERSION:
+        newer = isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION
+        raise ModelFormatError(
+            f"{path}: format_version {version!r}, but this llamajet reads version {FORMAT_VERSION} only "
+            "(the packed layout differs between versions); "
+            + ("it was written by a newer llamajet: upgrade" if newer
+               else "re-run `llamajet quantize` on the original checkpoint"))
+    if not isinstance(meta.get("tensors"), dict):
+        raise ModelFormatError(f"{path}: 'tensors' must be an object")
+    return meta
+
+
+def _scheme_of(name: str, s, source: str) -> QuantScheme:
+    try:
+        return get_scheme(s)
+    except (LlamajetError, TypeError):
+        known = ", ".join(sorted(x.name for x in schemes()))
+        raise ModelFormatError(f"{source}: tensor {name!r} has unknown scheme {s!r}; known: {known}") from None
+
+
+def _tensor(name: str, info, entry: st.Entry, buf: mmap.mmap, kind: Kind, source: str) -> Weight:
+    """A Weight viewing ``entry``'s bytes in ``buf``, after checking that the
+    bytes are exactly what the entry's scheme/dtype x shape needs."""
+    if not isinstance(info, dict) or not isinstance(info.get("shape"), list) or \
+            not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in info["shape"]):
+        raise ModelFormatError(f"{source}: tensor {name!r} has a malformed entry {info!r}")
+    shape = tuple(info["shape"])
+    if "kind" in info and info["kind"] != kind.value:
+        raise ModelFormatError(f"{source}: tensor {name!r} is saved as a {info['kind']!r}, but the "
+                               f"architecture says it is a {kind.value!r}")
+    inter = bool(info.get("rope_interleaved", False))
+    if "scheme" in info:
+        fmt: Format = _scheme_of(name, info["scheme"], source)
+        if len(shape) != 2:
+            raise ModelFormatError(f"{source}: packed tensor {name!r} must be a matrix, has shape {list(shape)}")
+        st_dtype = "U8"
+    else:
+        dtype = info.get("dtype")
+        if dtype not in FLOATS:
+            raise ModelFormatError(f"{source}: tensor {name!r} has neither a scheme nor a float dtype "
+                                   f"({', '.join(FLOATS)}): {info!r}")
+        fmt, st_dtype = FLOATS[dtype], st.FLOAT_DTYPES[dtype]
+    want = tuple(fmt.storage_shape(shape))
+    if entry.dtype != st_dtype or entry.shape != want:
+        raise ModelFormatError(
+            f"{source}: tensor {name!r} is {entry.dtype} {list(entry.shape)} ({entry.nbytes} bytes) in "
+            f"{WEIGHTS_FILE}, but {fmt.name} of shape {list(shape)} needs {st_dtype} {list(want)} "
+            f"({math.prod(want) * np.dtype(fmt.np_dtype).itemsize} bytes)")
+    return Weight(name, kind, fmt, shape, st.view(entry, buf, fmt.np_dtype, want), inter)
+
+
+def read(folder: str | Path, kind_of: Callable[[str], Kind]) -> tuple[ModelConfig, dict[str, Weight], mmap.mmap]:
+    """(config, weights, the file's map) of a saved folder; each weight a view of
+    the map, its kind from `kind_of(name)` (the architecture's tensor spec)."""
+    folder = Path(folder)
+    meta = read_meta(folder)
+    source = str(folder)
+    config = config_from_json(meta.get("config"), source)
+    path = folder / WEIGHTS_FILE
+    if not path.is_file():
+        raise ModelFormatError(f"{path}: no such file ({META_FILE} needs it)")
+    buf = st.map_read_only(path)
+    entries = st.read_header(path, buf)  # offsets within the file, bytes == dtype x shape
+    weights = {}
+    for name, info in meta["tensors"].items():
+        if name not in entries:
+            raise ModelFormatError(f"{path}: tensor {name!r} listed in {META_FILE} is missing")
+        weights[name] = _tensor(name, info, entries[name], buf, kind_of(name), source)
+    extra = sorted(n for n in entries if n not in weights and not n.startswith(PAD_PREFIX))
+    if extra:
+        raise ModelFormatError(f"{path}: tensors {extra[:5]} are not listed in {META_FILE}")
+    return config, weights, buf
+
+
+# --- writing ------------------------------------------------------------------------------
+
+
+@dataclass
+class SavedTensor:
+    """One tensor to save: what it is and how to make its storage bytes
+    (called once, while writing: memory holds one tensor at a time)."""
+    name: str
+    kind: Kind
+    format: Format  # a float format or a packed scheme (GGUF blocks are repacked first)
+    shape: tuple[int, ...]
+    rope_interleaved: bool
+    produce: Callable[[], np.ndarray]
+
+    def entry(self) -> dict:
+        which = {"scheme": self.format.name} if self.format.packed else {"dtype": self.format.name}
+        return {**which, "shape": list(self.shape), "rope_interleaved": self.rope_interleaved,
+                "kind": self.kind.value}
+
+    def item(self) -> st.Item:
+        shape = tuple(self.format.storage_shape(self.shape))
+        dtype = "U8" if self.format.packed else st.FLOAT_DTYPES[self.format.name]
+        return st.Item(self.name, dtype, shape, math.prod(shape) * np.dtype(self.format.np_dtype).itemsize,
+                       self.produce)
+
+
+def _meta_text(meta: dict) -> str:
+    """llamajet.json, indented, one line per tensor (a diff or a grep reads it)."""
+    head = json.dumps({k: v for k, v in meta.items() if k != "tensors"}, indent=1)
+    rows = ",\n".join(f"  {json.dumps(n)}: {json.dumps(i)}" for n, i in meta["tensors"].items())
+    return head[:-2] + ',\n "tensors": {\n' + rows + "\n }\n}\n"
+
+
+def write_weights(folder: Path, tensors: Iterable[SavedTensor]) -> tuple[int, dict]:
+    """model.safetensors (via a temporary file, then renamed), after removing a
+    stale llamajet.json so an interrupted write leaves no folder that looks
+    complete. Returns (file size, the tensors' llamajet.json entries)."""
+    tensors = list(tensors)
+    (folder / META_FILE).unlink(missing_ok=True)
+    tmp = folder / (WEIGHTS_FILE + ".tmp")
+    try:
+        size = st.write(tmp, [t.item() for t in tensors],
+                        {"format": MAGIC, "format_version": str(FORMAT_VERSION)}, ALIGN, PAD_PREFIX)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, folder / WEIGHTS_FILE)
+    return size, {t.name: t.entry() for t in tensors}
+
+
+def write_meta(folder: Path, config: ModelConfig, entries: dict, **extra) -> None:
+    """llamajet.json, last: the folder then holds a complete model."""
+    meta = {"magic": MAGIC, "format_version": FORMAT_VERSION, **extra, "config": config_to_json(config),
+            "tensors": entries}
+    tmp = folder / (META_FILE + ".tmp")
+    tmp.write_text(_meta_text(meta), encoding="utf-8")
+    os.replace(tmp, folder / META_FILE)
