@@ -8,14 +8,19 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PROMPT ?= The three most useful things to know about the Roman Empire are
 # Rebuild the extension whenever a build input changes (the editable install
-# does not rebuild C++ by itself).
+# does not rebuild C++ by itself), and reinstall when the set of Python files
+# changes (the editable install maps modules by path: a new module or package
+# needs it). LAYOUT holds the sorted list; it is rewritten only when that changes.
 BUILD_INPUTS := pyproject.toml CMakeLists.txt $(shell find csrc -type f 2>/dev/null)
+LAYOUT := $(VENV)/.pylayout
+$(shell mkdir -p $(VENV) && find src -name '*.py' | sort > $(LAYOUT).new && \
+        (cmp -s $(LAYOUT).new $(LAYOUT) || mv $(LAYOUT).new $(LAYOUT)); rm -f $(LAYOUT).new)
 
 .PHONY: setup run chat test bench clean
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: $(BUILD_INPUTS)
+$(VENV)/.installed: $(BUILD_INPUTS) $(LAYOUT)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'

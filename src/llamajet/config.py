@@ -26,6 +26,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from llamajet.errors import ModelFormatError, UnsupportedModelError
+from llamajet.gguf_meta import GGUFMeta, typed
 
 
 @dataclass(frozen=True)
@@ -192,7 +193,7 @@ class ModelConfig:
     @staticmethod
     def architecture_of_gguf(reader) -> str:
         """The model family a GGUF names (general.architecture)."""
-        arch = _Meta(reader).require("general.architecture", str)
+        arch = GGUFMeta(reader).require("general.architecture", str)
         if not arch:
             raise ModelFormatError("general.architecture is empty")
         return arch
@@ -240,21 +241,7 @@ def _as_id_list(value, field: str) -> list[int]:
 def _require(cfg: Mapping, key: str, kind=int):
     if key not in cfg or cfg[key] is None:
         raise ModelFormatError(f"config is missing required field {key!r}")
-    return _typed(cfg[key], key, kind)
-
-
-def _typed(value, key: str, kind):
-    """``value`` as ``kind`` (int or float; anything else passes through), or a
-    ModelFormatError naming ``key``. Accepts numpy scalars (GGUF metadata)."""
-    if kind not in (int, float):
-        return value
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ModelFormatError(f"{key} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
-    if kind is float:
-        return float(value)
-    if not math.isfinite(value) or value != int(value):
-        raise ModelFormatError(f"{key} must be an integer, got {value!r}")
-    return int(value)
+    return typed(cfg[key], key, kind)
 
 
 def _hf_architecture(cfg: Mapping) -> str:
@@ -288,7 +275,7 @@ def _refuse_unsupported_hf(cfg: Mapping) -> None:
         if not isinstance(cfg.get(key, False), bool):
             raise ModelFormatError(f"{key} must be true or false, got {cfg[key]!r}")
     for key in _HF_MOE_FIELDS:
-        if _typed(cfg.get(key) or 0, key, int) > 0:
+        if typed(cfg.get(key) or 0, key, int) > 0:
             raise UnsupportedModelError(f"{key}={cfg[key]!r}; mixture-of-experts models are not supported")
     qc = cfg.get("quantization_config")
     if qc:
@@ -316,7 +303,7 @@ def _parse_hf_rope(cfg: Mapping, max_pos: int) -> tuple[float, RopeScaling | Non
     theta = (cfg.get("rope_parameters") or {}).get("rope_theta")
     if theta is None:
         theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
-    theta = _typed(theta, "rope_theta", float)
+    theta = typed(theta, "rope_theta", float)
     partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise UnsupportedModelError(f"partial_rotary_factor={partial!r}; RoPE must cover the whole head")
@@ -330,7 +317,7 @@ def _parse_hf_rope(cfg: Mapping, max_pos: int) -> tuple[float, RopeScaling | Non
     def need(key: str, kind):
         if params.get(key) is None:
             raise ModelFormatError(f"llama3 rope_scaling is missing {key!r}")
-        return _typed(params[key], f"rope_scaling.{key}", kind)
+        return typed(params[key], f"rope_scaling.{key}", kind)
     orig = params.get("original_max_position_embeddings")
     scaling = RopeScaling(
         factor=need("factor", float),
@@ -338,7 +325,7 @@ def _parse_hf_rope(cfg: Mapping, max_pos: int) -> tuple[float, RopeScaling | Non
         high_freq_factor=need("high_freq_factor", float),
         # transformers documents this fallback for a missing value
         original_max_position_embeddings=max_pos if orig is None
-        else _typed(orig, "rope_scaling.original_max_position_embeddings", int),
+        else typed(orig, "rope_scaling.original_max_position_embeddings", int),
     )
     return theta, scaling
 
@@ -356,7 +343,7 @@ def _parse_hf(cfg: Mapping, name: str, extra_eos: list[int]) -> ModelConfig:
             )
         head_dim = hidden // num_heads
     # Defaults below are LlamaConfig's, so a sparse config means what it means to transformers.
-    max_pos = _typed(cfg.get("max_position_embeddings", 2048), "max_position_embeddings", int)
+    max_pos = typed(cfg.get("max_position_embeddings", 2048), "max_position_embeddings", int)
     theta, scaling = _parse_hf_rope(cfg, max_pos)
     eos: list[int] = []
     for tok in _as_id_list(cfg.get("eos_token_id"), "eos_token_id") + extra_eos:
@@ -369,9 +356,9 @@ def _parse_hf(cfg: Mapping, name: str, extra_eos: list[int]) -> ModelConfig:
         intermediate_size=_require(cfg, "intermediate_size"),
         num_layers=_require(cfg, "num_hidden_layers"),
         num_heads=num_heads,
-        num_kv_heads=_typed(cfg.get("num_key_value_heads") or num_heads, "num_key_value_heads", int),
-        head_dim=_typed(head_dim, "head_dim", int),
-        rms_norm_eps=_typed(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", float),
+        num_kv_heads=typed(cfg.get("num_key_value_heads") or num_heads, "num_key_value_heads", int),
+        head_dim=typed(head_dim, "head_dim", int),
+        rms_norm_eps=typed(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", float),
         rope_theta=theta,
         rope_scaling=scaling,
         max_position_embeddings=max_pos,
@@ -392,52 +379,6 @@ def _parse_hf(cfg: Mapping, name: str, extra_eos: list[int]) -> ModelConfig:
 _GGUF_ROPE_FREQS = "rope_freqs.weight"
 
 
-def _f32_to_decimal(x: float) -> float:
-    """GGUF stores floats as float32 (1e-5 becomes 9.99999974e-06). The writer
-    meant the shortest decimal that rounds to that float32, so recover it: an
-    HF and a GGUF copy of one model then agree exactly."""
-    return float(str(np.float32(x)))
-
-
-class _Meta:
-    """Typed access to ``reader.fields``, naming the key in every error."""
-
-    def __init__(self, reader):
-        self.fields = reader.fields
-
-    def has(self, key: str) -> bool:
-        return key in self.fields
-
-    def get(self, key: str, kind, default=None):
-        field = self.fields.get(key)
-        if field is None:
-            return default
-        try:
-            value = field.contents()
-        except Exception as e:  # a malformed field: surface as a format error
-            raise ModelFormatError(f"GGUF metadata {key!r} is unreadable ({e})") from e
-        if kind is str:
-            if not isinstance(value, str):
-                raise ModelFormatError(f"GGUF metadata {key!r} must be a string, got {value!r}")
-            return value
-        if isinstance(value, list):
-            raise UnsupportedModelError(f"GGUF metadata {key!r} is a per-layer array {value!r}; not supported")
-        value = _typed(value, f"GGUF metadata {key!r}", kind)
-        if kind is float and [t.name for t in field.types] == ["FLOAT32"]:
-            value = _f32_to_decimal(value)
-        return value
-
-    def require(self, key: str, kind):
-        value = self.get(key, kind)
-        if value is None:
-            raise ModelFormatError(f"GGUF metadata is missing required key {key!r}")
-        return value
-
-    def array_len(self, key: str) -> int | None:
-        field = self.fields.get(key)
-        return None if field is None else len(field.data)  # no need to decode the strings
-
-
 def _gguf_rope_freq_factors(reader, head_dim: int) -> tuple[float, ...] | None:
     for t in reader.tensors:
         if t.name == _GGUF_ROPE_FREQS:
@@ -453,7 +394,7 @@ def _gguf_rope_freq_factors(reader, head_dim: int) -> tuple[float, ...] | None:
 
 
 def _parse_gguf(reader) -> ModelConfig:
-    meta = _Meta(reader)
+    meta = GGUFMeta(reader)
     arch = ModelConfig.architecture_of_gguf(reader)
     p = arch + "."  # hyper-parameter keys are prefixed by the architecture
     experts = meta.get(p + "expert_count", int, 0)

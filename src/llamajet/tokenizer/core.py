@@ -1,0 +1,133 @@
+"""Tokenizer: a vocabulary (an HF ``tokenizers.Tokenizer``) with the model
+facts generation needs."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import tokenizers
+
+from llamajet.errors import TokenizerError
+from llamajet.tokenizer.chat import render
+from llamajet.tokenizer.stream import StreamDecoder
+
+# Tokens that end a turn or a text in the vocabularies we know. They count as
+# stop ids only when the vocabulary marks them special: a byte-level vocab may
+# hold "</s>" as ordinary text (an HTML tag), and stopping there would be wrong.
+_STOP_TOKEN_NAMES = (
+    "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>",  # Llama-3
+    "<|im_end|>", "<|endoftext|>",  # ChatML / GPT-2 family (SmolLM2, Qwen)
+    "</s>",  # SentencePiece Llama-1/2, TinyLlama, stories
+    "<end_of_turn>", "<|end|>",  # Gemma, Phi-3
+)
+
+
+class Tokenizer:
+    """A vocabulary with the model facts generation needs.
+
+    Wraps a ``tokenizers.Tokenizer`` (``backend``). Encoding never runs the
+    backend's post-processor: BOS is added here, once, from ``add_bos``, so an
+    HF folder and a GGUF of the same model behave alike.
+
+    Attributes:
+        vocab_size: number of token ids, added tokens included.
+        bos_id, eos_id: beginning/end of sequence ids (``None`` if unknown);
+            ``eos_id`` is the primary EOS.
+        stop_ids: every id that ends generation (EOS, end-of-turn tokens, the
+            EOS ids of ``generation_config.json`` / GGUF eot/eom keys).
+        add_bos: whether ``encode`` prepends BOS by default.
+        chat_template: the jinja2 chat template, or ``None``.
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        bos_id: int | None,
+        eos_id: int | None,
+        add_bos: bool,
+        chat_template: str | None = None,
+        extra_stop_ids: Iterable[int] = (),
+        vocab_size: int | None = None,
+        source: str = "",
+    ) -> None:
+        self.backend = backend
+        self.vocab_size = int(vocab_size if vocab_size is not None
+                              else backend.get_vocab_size(with_added_tokens=True))
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.add_bos = bool(add_bos and bos_id is not None)
+        self.chat_template = chat_template
+        self.source = source
+        special = {i for i, tok in backend.get_added_tokens_decoder().items() if tok.special}
+        self.special_ids = frozenset(special)
+        stops = {i for i in extra_stop_ids if i is not None and 0 <= i < self.vocab_size}
+        if eos_id is not None:
+            stops.add(eos_id)
+        for name in _STOP_TOKEN_NAMES:
+            i = backend.token_to_id(name)
+            if i is not None and i in special:
+                stops.add(i)
+        self.stop_ids = frozenset(stops)
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
+                f"eos_id={self.eos_id}, stop_ids={sorted(self.stop_ids)}, add_bos={self.add_bos})")
+
+    # -- ids <-> text ------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; special tokens written in it are parsed as such.
+
+        BOS is prepended when ``add_special_tokens`` and ``add_bos`` are set,
+        unless the text already starts with BOS (a template that writes it).
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"encode() takes a str, got {type(text).__name__}")
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_id):
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """The text of ``ids``; special tokens are left out unless asked for."""
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise TokenizerError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, s: str) -> int | None:
+        return self.backend.token_to_id(s)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.backend.id_to_token(int(i)) if 0 <= int(i) < self.vocab_size else None
+
+    def stream_decoder(self) -> StreamDecoder:
+        """A fresh incremental decoder for one generated sequence."""
+        return StreamDecoder(self)
+
+    # -- chat ----------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        """Render ``messages`` with the model's chat template, as transformers does.
+
+        Extra keyword arguments (``tools``, ``date_string``, ...) become template
+        variables. ``bos_token``/``eos_token`` are set from this vocabulary.
+        """
+        if not self.chat_template:
+            raise TokenizerError(
+                f"tokenizer from {self.source or 'memory'} has no chat template; "
+                "format the prompt yourself or use a model that ships one")
+        variables = {
+            "bos_token": self._token_text(self.bos_id),
+            "eos_token": self._token_text(self.eos_id),
+            "add_generation_prompt": add_generation_prompt,
+            "tools": None, "documents": None,
+        }
+        variables.update(kwargs)
+        return render(self.chat_template, messages, **variables)
+
+    def _token_text(self, i: int | None) -> str:
+        return (self.backend.id_to_token(i) or "") if i is not None else ""
