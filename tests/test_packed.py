@@ -8,7 +8,6 @@ import pytest
 
 from llamajet import ops
 from llamajet.formats.gguf_blocks import repack_gguf
-from llamajet.formats.layout import get_format
 from llamajet.formats.packed import (dequantize, matmul_a8_reference, pack, quantize_activations,
                                      quantize_rtn, unpack)
 from llamajet.formats.schemes import schemes

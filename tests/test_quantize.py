@@ -19,7 +19,7 @@ import pytest
 
 from llamajet import LLM
 from llamajet.errors import LlamajetError, ModelFormatError
-from llamajet.formats import Kind, convert
+from llamajet.formats import convert
 from llamajet.formats.convert import prepare_weights
 from llamajet.formats.gguf_blocks import repack_gguf
 from llamajet.formats.packed import quantize_rtn

@@ -315,6 +315,12 @@ def test_decode_matches_reference(llama3, llama3_ref, stories, stories_ref):
 def test_decode_rejects_bad_ids(stories):
     with pytest.raises(TokenizerError, match="out of range"):
         stories.decode([1, 512])
+    # Streaming: an id past the vocabulary (a model row the tokenizer lacks, as
+    # Qwen2.5's 151,936 rows for 151,669 tokens) has no text; a negative id is an error.
+    dec = stories.stream_decoder()
+    assert [dec.push(i) for i in (403, 600, 407)] == ["Once", "", " upon"]
+    with pytest.raises(TokenizerError, match="negative"):
+        dec.push(-1)
     assert stories.id_to_token(9999) is None and stories.id_to_token(403) == "▁Once"
     assert stories.token_to_id("</s>") == 2 and stories.token_to_id("no such piece") is None
 
@@ -539,8 +545,8 @@ def test_gguf_tokenizer_kinds(tmp_path):
     with pytest.raises(TokenizerError, match="'bert'"):
         load_tokenizer(_write_gguf(tmp_path / "bert.gguf", "bert"))
     # Unknown pre-tokenizer: refused, not guessed (a wrong split gives wrong ids).
-    with pytest.raises(TokenizerError, match="'qwen2'"):
-        load_tokenizer(_write_gguf(tmp_path / "qwen.gguf", "gpt2", "qwen2"))
+    with pytest.raises(TokenizerError, match="'deepseek-llm'"):
+        load_tokenizer(_write_gguf(tmp_path / "deepseek.gguf", "gpt2", "deepseek-llm"))
     tiny = load_tokenizer(_write_gguf(tmp_path / "tiny.gguf", "gpt2", "gpt2"))
     assert tiny.encode("abab") == [2, 2] and tiny.decode([2, 0]) == "aba"
     # No pre at all (files older than that key): GPT-2's split, with a warning.
@@ -573,3 +579,81 @@ def test_sentencepiece_without_space_prefix(stories):
     assert not tok.id_to_token(ids[0]).startswith("▁")
     assert ids[-1] == stories.encode("Once upon", add_special_tokens=False)[-1]  # "▁upon" alike
     assert tok.decode(tok.encode(" Once upon")) == " Once upon"  # nothing stripped either
+
+
+# -- Qwen2.5: the real tokenizer.json, and the vocabulary llama.cpp's converter embeds ---------
+
+# Qwen's pre-tokenizer cuts single digits and its normalizer composes to NFC:
+# decomposed accents (e + U+0301) must come out as the composed character's ids.
+QWEN_TEXTS = TEXTS + [
+    "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\n12345 + 678<|im_end|>\n",
+    "Cafe\u0301 re\u0301sume\u0301 and A\u030a ngstro\u0308m 2024",
+    "<tool_call>\n{\"name\": \"add\"}\n</tool_call> <think>hmm</think>",
+]
+
+
+@pytest.fixture(scope="module")
+def qwen(qwen25_tokenizer_dir) -> Tokenizer:
+    return load_tokenizer(qwen25_tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def qwen_ref(qwen25_tokenizer_dir):
+    return tokenizers.Tokenizer.from_file(str(qwen25_tokenizer_dir / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def qwen_gguf(qwen25_tokenizer_dir, tmp_path_factory) -> Tokenizer:
+    """The vocabulary llama.cpp's convert_hf_to_gguf.py writes for a Qwen2
+    folder (--vocab-only: tokens, merges, token types, pre = "qwen2",
+    specials, chat template), rebuilt by us from the GGUF."""
+    from conftest import convert_to_gguf
+
+    folder = tmp_path_factory.mktemp("qwen_vocab")
+    for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
+        (folder / f).symlink_to(qwen25_tokenizer_dir / f)
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": True,
+        "bos_token_id": 151643, "eos_token_id": 151645}))
+    path = convert_to_gguf(folder, folder / "vocab.gguf", vocab_only=True)
+    reader = gguf.GGUFReader(str(path), "r")
+    assert reader.fields["tokenizer.ggml.pre"].contents() == "qwen2"
+    return tokenizer_from_gguf(reader)
+
+
+@pytest.mark.parametrize("text", QWEN_TEXTS)
+def test_qwen25_ids_match_tokenizers_from_folder_and_gguf(qwen, qwen_gguf, qwen_ref, text):
+    want = qwen_ref.encode(text, add_special_tokens=False).ids
+    assert qwen.encode(text) == want  # add_bos_token: false in tokenizer_config.json
+    assert qwen.encode(text, add_special_tokens=False) == want
+    assert qwen_gguf.encode(text) == want  # the GGUF says add_bos_token = false too
+    assert qwen_gguf.decode(want, skip_special_tokens=False) == qwen_ref.decode(want, skip_special_tokens=False)
+
+
+def test_qwen25_facts_from_folder_and_gguf(qwen, qwen_gguf, qwen_ref):
+    im_end, eot = qwen_ref.token_to_id("<|im_end|>"), qwen_ref.token_to_id("<|endoftext|>")
+    for tok in (qwen, qwen_gguf):
+        assert tok.eos_id == im_end and not tok.add_bos
+        assert {im_end, eot} <= tok.stop_ids
+        assert "<|im_start|>" in tok.chat_template
+    assert qwen.vocab_size == qwen_ref.get_vocab_size(with_added_tokens=True) == 151669
+    assert qwen_gguf.vocab_size == 151936  # the converter pads the vocabulary to the model's rows
+
+
+def test_qwen25_chatml_template_matches_transformers(qwen25_tokenizer_dir, qwen, qwen_gguf):
+    """Qwen2.5's ChatML template with tools, as transformers renders it, from
+    the folder's tokenizer_config.json and from the template the GGUF embeds."""
+    transformers = pytest.importorskip("transformers")
+    ref = transformers.AutoTokenizer.from_pretrained(str(qwen25_tokenizer_dir))
+    conv_tool = CONVERSATION + [{"role": "assistant", "content": "",
+                                 "tool_calls": [{"type": "function", "function": {"name": "add",
+                                                                                  "arguments": {"a": 2}}}]},
+                                {"role": "tool", "content": "4"}]
+    for conv, kwargs in ((CONVERSATION, {}), (CONVERSATION[1:], {}), (CONVERSATION, {"tools": TOOLS}),
+                         (conv_tool, {"tools": TOOLS})):
+        for gen in (True, False):
+            expected = ref.apply_chat_template(conv, tokenize=False, add_generation_prompt=gen, **kwargs)
+            assert qwen.apply_chat_template(conv, add_generation_prompt=gen, **kwargs) == expected
+            assert qwen_gguf.apply_chat_template(conv, add_generation_prompt=gen, **kwargs) == expected

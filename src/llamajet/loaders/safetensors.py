@@ -12,7 +12,6 @@ import json
 import mmap
 from pathlib import Path
 
-import numpy as np
 
 from llamajet.config import ModelConfig
 from llamajet.errors import ModelFormatError, UnsupportedModelError

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from llamajet.errors import ModelFormatError, TokenizerError
 from llamajet.gguf_meta import GGUFMeta
@@ -36,7 +36,12 @@ _PRE_LLAMA3 = frozenset({"llama-bpe", "llama3", "llama-v3"})
 # "smollm"; SmolLM2's own tokenizer.json has Digits(individual) + ByteLevel).
 _PRE_SMOLLM = frozenset({"smollm"})
 _PRE_GPT2 = frozenset({"gpt2"})
-SUPPORTED_GGUF_PRE = tuple(sorted(_PRE_LLAMA3 | _PRE_SMOLLM | _PRE_GPT2))
+# Qwen2 / Qwen2.5: Llama-3's regex with one digit per pre-token (\p{N}, not
+# \p{N}{1,3}), after NFC normalization, as Qwen's own tokenizer.json does
+# (llama.cpp's "qwen2" regex is the same; it does not normalize).
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+_PRE_QWEN2 = frozenset({"qwen2"})
+SUPPORTED_GGUF_PRE = tuple(sorted(_PRE_LLAMA3 | _PRE_SMOLLM | _PRE_GPT2 | _PRE_QWEN2))
 
 _SPM_SPACE = "\u2581"  # SentencePiece's visible space, "▁"
 
@@ -197,6 +202,11 @@ def _build_byte_level_bpe(meta: GGUFMeta, tokens: list[str], types: list[int],
             pre_tokenizers.Digits(individual_digits=True),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
         ])
+    elif pre in _PRE_QWEN2:
+        pre_tok = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
     elif pre in _PRE_GPT2:
         pre_tok = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     else:
@@ -226,6 +236,8 @@ def _build_byte_level_bpe(meta: GGUFMeta, tokens: list[str], types: list[int],
     model = _bpe(meta, vocab=vocab, merges=merges, ignore_merges=pre in _PRE_LLAMA3,
                  fuse_unk=False, byte_fallback=False)
     backend = tokenizers.Tokenizer(model)
+    if pre in _PRE_QWEN2:
+        backend.normalizer = normalizers.NFC()
     backend.pre_tokenizer = pre_tok
     backend.decoder = decoders.ByteLevel()
     _finish(backend, tokens, types, meta.name)

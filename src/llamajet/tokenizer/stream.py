@@ -24,10 +24,16 @@ class StreamDecoder:
         self._read = 0  # ids before it have been emitted (they are the left context)
 
     def push(self, token_id: int) -> str:
-        """Add one id; return the text it completes (maybe ``""``)."""
+        """Add one id; return the text it completes (maybe ``""``).
+
+        An id past the vocabulary is a row the model has and the tokenizer
+        does not (Qwen2.5: 151,936 embedding rows, 151,669 tokens): it has no
+        text, as transformers decodes it, and generation goes on."""
         token_id = int(token_id)
-        if not 0 <= token_id < self._vocab_size:
-            raise TokenizerError(f"token id {token_id} out of range [0, {self._vocab_size})")
+        if token_id < 0:
+            raise TokenizerError(f"token id {token_id} is negative")
+        if token_id >= self._vocab_size:
+            return ""
         self._ids.append(token_id)
         return self._advance(final=False)
 
