@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from llamajet import ops
+from llamajet.config import RuntimeConfig
 from llamajet.engine.runner import ModelRunner, StepBatch
 from llamajet.graph.ir import Graph
 from llamajet.graph.passes import FusionContext, fuse
@@ -28,8 +29,12 @@ def _step(r: ModelRunner, ids, start: int, all_rows: bool) -> np.ndarray:
     return r.execute(StepBatch(np.array(ids, np.int32), pos, pos.copy(), np.zeros(n, np.int32), bt, rows)).copy()
 
 
-def _prefill_decode(model, ids, **kw):
-    r = ModelRunner(model, max_model_len=128, max_tokens=64, max_out=64, **kw)
+def _prefill_decode(model, ids, **options):
+    # a step of 64 tokens, a pool of 8 blocks committed lazily, fp32 K/V unless
+    # asked (the tolerances below are fp32's); the runner alone, no engine
+    options = {"kv_dtype": "f32", **options}
+    r = ModelRunner(model, RuntimeConfig(max_model_len=128, max_tokens_per_step=64, kv_cache_tokens=128,
+                                         kv_prefault=False, **options))
     out = [_step(r, ids[:-3], 0, True)]
     for i in range(len(ids) - 3, len(ids)):  # then decode steps
         out.append(_step(r, [ids[i]], i, False))
@@ -70,8 +75,8 @@ def test_all_passes_on_stories260k(stories_hf, scheme):
     16-row tiles, so gate/up must refuse."""
     model = load_model(stories_hf)
     ids = list(np.random.default_rng(1).integers(0, 512, 30))
-    ref, _ = _prefill_decode(model, ids, fuse=False, scheme=scheme)
-    got, r = _prefill_decode(model, ids, fuse=True, scheme=scheme)
+    ref, _ = _prefill_decode(model, ids, fuse=False, quantize=scheme)
+    got, r = _prefill_decode(model, ids, fuse=True, quantize=scheme)
     assert not any(l.startswith("gate_up") for l in r.fusion_log)
     assert any(l.startswith("qkv") for l in r.fusion_log)
     tol = 1e-5 if scheme is None else 0.0
@@ -99,8 +104,8 @@ def test_random_llama3_fused_matches_transformers_tolerance(tmp_path):
     model = load_model(tmp_path)
     ids = list(np.random.default_rng(2).integers(0, 512, 40))
     for scheme in (None, "int4_asym_g32"):
-        ref, _ = _prefill_decode(model, ids, fuse=False, scheme=scheme)
-        got, r = _prefill_decode(model, ids, fuse=True, scheme=scheme)
+        ref, _ = _prefill_decode(model, ids, fuse=False, quantize=scheme)
+        got, r = _prefill_decode(model, ids, fuse=True, quantize=scheme)
         # fp32 weights: the residual pass takes every add, and norms and attention
         # feeding fp32 matmuls have nothing to quantize on write
         want = set(PASSES) - ({"add_rmsnorm", "attn_quant", "ffn_quant"} if scheme is None else set())

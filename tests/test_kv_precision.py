@@ -298,10 +298,10 @@ def test_bad_kv_configs_are_refused():
     with pytest.raises(ValueError, match="KV storage type"):
         p.add("kv_write", k=p.act(k, 16), v=p.act(k, 16), kv_heads=2, head_dim=8, **q4)
 
-    from llamajet.engine.config import EngineConfig
+    from llamajet.config import RuntimeConfig
 
     with pytest.raises(RequestError, match="kv_dtype"):
-        EngineConfig(max_model_len=64, kv_dtype="int4")
+        RuntimeConfig(max_model_len=64, kv_dtype="int4")
 
 
 # ------------------------------------------------------------------ model level

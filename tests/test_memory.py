@@ -91,7 +91,7 @@ r["allocs_prefill"] = (run.exe.allocations, ops.step_allocations())
 
 cfg = run.config
 r["kv_bytes_per_token"] = 2 * cfg.num_layers * run.kv.row_bytes  # K and V rows, every layer
-r["kv_pool_bytes"] = run.kv_pool_bytes  # committed at start (EngineConfig.kv_prefault)
+r["kv_pool_bytes"] = run.kv_pool_bytes  # committed at start (RuntimeConfig.kv_prefault)
 r["file_bytes"] = os.path.getsize(path)
 mm = llm.model.gguf_reader.data  # the reader's np.memmap of the whole file
 g = run.graph

@@ -13,11 +13,15 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from llamajet.config import RuntimeConfig  # noqa: E402
 from llamajet.engine.block_manager import BlockManager  # noqa: E402
 from llamajet.engine.runner import ModelRunner, StepBatch  # noqa: E402
 from llamajet.loaders import load_model  # noqa: E402
 
 torch.set_num_threads(2)
+# the runner alone (no engine): 64-token steps, fp32 KV, a 256-token pool committed lazily
+RUNNER = RuntimeConfig(max_model_len=256, max_tokens_per_step=64, kv_dtype="f32", kv_cache_tokens=256,
+                       kv_prefault=False)
 
 
 def _step(runner: ModelRunner, bm: BlockManager, table: list[int], ids: list[int], start: int,
@@ -57,7 +61,7 @@ def test_random_llama3_prefill_and_decode_match_transformers(random_llama3):
     ids = rng.integers(0, 1024, size=50).tolist()
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].double().numpy()  # [50, vocab]
-    runner = ModelRunner(load_model(path), max_model_len=256, max_tokens=64, max_out=64)
+    runner = ModelRunner(load_model(path), RUNNER)
     bm = BlockManager(runner.num_blocks, runner.block_size)
     table: list[int] = []
     got = [_step(runner, bm, table, ids[:40], 0, all_rows=True)]          # 40-token prefill
@@ -183,7 +187,7 @@ def test_half_precision_checkpoints_match_transformers(random_llama3, tmp_path, 
         ref = ref_model(torch.tensor([ids])).logits[0].double().numpy()
     lm = load_model(path)
     assert lm.weights["blk.0.attn_q"].dtype == {"bfloat16": "bf16", "float16": "f16"}[dtype]
-    runner = ModelRunner(lm, max_model_len=256, max_tokens=64, max_out=64)
+    runner = ModelRunner(lm, RUNNER)
     bm = BlockManager(runner.num_blocks, runner.block_size)
     got = _step(runner, bm, [], ids, 0, all_rows=True)
     err = np.abs(got - ref).max() / np.abs(ref).max()

@@ -13,6 +13,7 @@ _EXPORTS = {
     "LLM": "llamajet.api",
     "SamplingParams": "llamajet.engine.sampling",
     "ModelConfig": "llamajet.config",
+    "RuntimeConfig": "llamajet.config",
     "load_tokenizer": "llamajet.tokenizer",
     "Tokenizer": "llamajet.tokenizer",
     "LlamajetError": "llamajet.errors",

@@ -14,7 +14,7 @@ from typing import AsyncIterator, Iterator, Sequence as Seq
 import numpy as np
 
 from llamajet.engine.async_engine import AsyncEngine
-from llamajet.engine.config import EngineConfig
+from llamajet.config import RuntimeConfig
 from llamajet.engine.engine import Engine, StreamEvent
 from llamajet.engine.runner import ModelRunner
 from llamajet.engine.sampling import SamplingParams
@@ -44,39 +44,23 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
 
 
-DEFAULT_MAX_MODEL_LEN = 4096  # KV memory grows with it; models may allow more
-
-
 class LLM:
     """A loaded model ready to generate.
 
-    path: HF folder or .gguf file; None = the default model (SmolLM2-135M-Instruct).
-    max_model_len: context served (prompt + output); default min(model's, 4096).
-    n_threads: compute threads (default: physical cores). isa: force a kernel
-    tier ("ref", "avx2", "avx512", "amx"); default: the best this CPU has.
-    kernels: "fast" (GGUF Q4_0/Q4_1/Q8_0 repacked losslessly, int8 activations),
-    "a16" (same weights, float activations) or "reference" (weights as loaded,
-    dequantized in fp32). quantize: a scheme name (quant/schemes.py) to
-    RTN-quantize float weights at load, e.g. "int4_asym_g32".
-    Engine options (engine/config.py EngineConfig): max_num_seqs (sequences
-    per step), max_tokens_per_step (token budget of a step), block_size (KV
-    block, in tokens), kv_cache_tokens (KV pool size; default
-    max(max_model_len, 8192)), kv_dtype ("f16" default — half the memory and
-    the bandwidth of "f32" at a measured cost of KL 5e-7 nats on WikiText-2,
-    llama.cpp's default too; "f32", "bf16", "int8"),
-    enable_prefix_caching, kv_prefault (commit the pool's memory at start;
-    default True). fuse: run the fusion passes (graph/passes: QKV +
-    RoPE + KV write, gate/up + SwiGLU, residual epilogues, add + RMSNorm with
-    int8 on write, final norm in the LM head); fused weights are stacked once
-    at load.
+    path: an HF folder, a .gguf file or a folder saved by ``llamajet
+    quantize``; None = the default model (SmolLM2-135M-Instruct).
+    config / **options: how it runs — a RuntimeConfig, and/or its fields by
+    name (config.py documents each with its default: max_model_len,
+    n_threads, isa, kernels, quantize, kv_dtype, kv_cache_tokens,
+    block_size, enable_prefix_caching, kv_prefault, fuse, max_num_seqs,
+    max_tokens_per_step). Options are checked before the model is read.
+
+        LLM("model.gguf", kv_dtype="int8", max_model_len=8192)
+        LLM("hf_folder/", RuntimeConfig(quantize="int4_asym_g32"), n_threads=4)
     """
 
-    def __init__(self, path: str | Path | None = None, *, max_model_len: int | None = None,
-                 n_threads: int | None = None, isa: str | None = None,
-                 max_tokens_per_step: int = 256, kernels: str = "fast",
-                 quantize: str | None = None, max_num_seqs: int = 64, block_size: int = 16,
-                 kv_cache_tokens: int | None = None, kv_dtype: str = "f16",
-                 enable_prefix_caching: bool = True, kv_prefault: bool = True, fuse: bool = True) -> None:
+    def __init__(self, path: str | Path | None = None, config: RuntimeConfig | None = None, **options) -> None:
+        runtime = (config or RuntimeConfig()).with_options(**options)
         self.path = Path(path) if path is not None else default_model_path()
         self.model = load_model(self.path)
         self.config = self.model.config
@@ -84,21 +68,9 @@ class LLM:
             self.tokenizer = tokenizer_from_gguf(self.model.gguf_reader)
         else:
             self.tokenizer = load_tokenizer(self.path)
-        limit = self.config.max_position_embeddings
-        if max_model_len is None:
-            max_model_len = min(limit, DEFAULT_MAX_MODEL_LEN)
-        if not 2 <= max_model_len <= limit:
-            raise RequestError(f"max_model_len={max_model_len} must be in 2..{limit} for this model")
-        ec = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                          max_tokens_per_step=max_tokens_per_step, block_size=block_size,
-                          kv_cache_tokens=kv_cache_tokens, kv_dtype=kv_dtype,
-                          enable_prefix_caching=enable_prefix_caching, kv_prefault=kv_prefault)
-        runner = ModelRunner(self.model, max_model_len=max_model_len, max_tokens=ec.step_tokens,
-                             max_seqs=min(ec.max_num_seqs, ec.step_tokens), block_size=block_size,
-                             num_blocks=ec.num_kv_blocks, n_threads=n_threads, isa=isa, kv_dtype=kv_dtype,
-                             kernels=kernels, scheme=quantize, fuse=fuse, prefault_kv=kv_prefault)
-        self.engine = Engine(runner, self.tokenizer, ec)
-        if self.model.gguf_reader is not None and kernels != "reference":
+        self.runtime = runtime.for_model(self.config)
+        self.engine = Engine(ModelRunner(self.model, self.runtime), self.tokenizer)
+        if self.model.gguf_reader is not None and self.runtime.repack:
             release_file_pages(self.model)  # repacked: the file's pages are no longer read
         self.async_engine = AsyncEngine(self.engine)
 

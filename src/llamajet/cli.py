@@ -1,7 +1,9 @@
 """The ``llamajet`` command: generate | chat | info | quantize | bench | graph.
 
 Flags mirror the API: --model is LLM(path), sampling flags are
-SamplingParams fields, --threads / --isa / --max-model-len are LLM options.
+SamplingParams fields, and the runtime flags (--threads, --isa,
+--max-model-len, --kernels, --kv-dtype, --fuse/--no-fuse, ...) are made from
+RuntimeConfig's fields (options.py), the ones LLM(path, **options) takes.
 """
 
 from __future__ import annotations
@@ -11,14 +13,14 @@ import platform
 import sys
 
 from llamajet.errors import LlamajetError
+from llamajet.options import add_runtime_args, runtime_config
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, **runtime) -> None:
     p.add_argument("--model", "-m", default=None,
-                   help="HF folder or .gguf file (default: SmolLM2-135M-Instruct Q4_1, installed from PyPI)")
-    p.add_argument("--threads", "-t", type=int, default=None, help="compute threads (default: physical cores)")
-    p.add_argument("--isa", default=None, help="force a kernel tier: scalar|avx2|avx512|amx (default: best)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length served")
+                   help="HF folder, .gguf file or a llamajet saved folder (default: SmolLM2-135M-Instruct Q4_1, "
+                        "installed from PyPI)")
+    add_runtime_args(p, **runtime)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
@@ -42,7 +44,7 @@ def _params(a):
 def _llm(a):
     from llamajet.api import LLM
 
-    return LLM(a.model, n_threads=a.threads, isa=a.isa, max_model_len=a.max_model_len)
+    return LLM(a.model, runtime_config(a))
 
 
 def cmd_generate(a) -> int:
@@ -130,7 +132,7 @@ def cmd_bench(a) -> int:
     if a.batch is None:  # single stream: prefill 128 / 512, decode 128, peak RSS
         from llamajet.eval.bench_latency import run
 
-        print(run(a.model, a.threads, a.rounds, a.vs_llama_cpp, a.kernels, a.corpus, a.json, a.vs_no_fuse))
+        print(run(a.model, runtime_config(a), a.rounds, a.vs_llama_cpp, a.corpus, a.json, a.vs_no_fuse))
         return 0
     from llamajet.eval.bench import main as bench_main
 
@@ -138,35 +140,36 @@ def cmd_bench(a) -> int:
 
 
 def cmd_graph(a) -> int:
-    """The step graph as ModelRunner builds it, planned for one phase."""
+    """The step graph as ModelRunner builds it (engine/runner.py compile_graph), planned for one phase."""
+    import dataclasses
+
     from llamajet import ops
+    from llamajet.engine.runner import compile_graph
     from llamajet.graph.dot import to_dot
-    from llamajet.graph.passes import FusionContext, fuse
     from llamajet.graph.planner import plan_memory
     from llamajet.graph.show import describe, summary
     from llamajet.loaders import load_model
-    from llamajet.formats.convert import prepare_weights
-    from llamajet.model import registry
     from llamajet.models import default_model_path
 
     if a.tokens < 1:
         raise LlamajetError(f"--tokens {a.tokens}: a prefill step has at least 1 token")
-    isa = ops.resolve_isa(a.isa)
-    symbols = {"T": 1 if a.phase == "decode" else a.tokens, "O": 1}
     path = a.model or default_model_path()
     model = load_model(path)
-    max_len = a.max_model_len or min(model.config.max_position_embeddings, 4096)  # as LLM's default
-    weights = prepare_weights(model.weights, repack=a.kernels != "reference")
-    graph = registry.get(model.config.architecture).build(model.config, weights, max_len)
-    style = dict(act_int8=a.kernels == "fast", kv_dtype=a.kv_dtype)
+    cfg = runtime_config(a).for_model(model.config)  # LLM's defaults
+    isa = ops.resolve_isa(cfg.isa)
+    symbols = {"T": 1 if a.phase == "decode" else a.tokens, "O": 1}
+    style = dict(act_int8=cfg.act_int8, kv_dtype=cfg.kv_dtype)
     print(f"llamajet graph: {path}, phase {a.phase} (T={symbols['T']}, O={symbols['O']}), isa {isa}, "
-          f"kernels {a.kernels}")
-    if not a.no_fuse:  # the graph before the passes in one line, the listing after them
-        print(f"before passes: {summary(graph, plan_memory(graph, symbols))}")
-        log = fuse(graph, FusionContext(act_int8=a.kernels == "fast"))  # as ModelRunner
+          f"kernels {cfg.kernels}")
+    if cfg.fuse:  # the graph before the passes in one line, the listing after them
+        unfused = compile_graph(model, dataclasses.replace(cfg, fuse=False)).graph
+        print(f"before passes: {summary(unfused, plan_memory(unfused, symbols))}")
+    compiled = compile_graph(model, cfg)
+    graph, log = compiled.graph, compiled.fusion_log
+    if cfg.fuse:
         print("passes:" + "".join(f"\n  {line}" for line in log) if log else "passes: no rewrites")
     plan = plan_memory(graph, symbols)
-    if not a.no_fuse:
+    if cfg.fuse:
         print(f"after passes:  {summary(graph, plan)}")
     print()
     print(describe(graph, plan, isa, **style))
@@ -204,33 +207,27 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(fn=cmd_quantize)
     b = sub.add_parser("bench", help="single-stream prefill/decode speed (optionally beside llama.cpp); "
                                      "with --batch, throughput at several batch sizes and KV use")
-    _add_model_args(b)
+    # the bench sizes the context, the step and the KV pool itself
+    _add_model_args(b, skip=("max_num_seqs", "kv_cache_tokens", "enable_prefix_caching", "max_tokens_per_step"))
     b.add_argument("--vs-llama-cpp", action="store_true",
                    help="also run llama-cpp-python on the same GGUF, same threads, alternating rounds")
     b.add_argument("--vs-no-fuse", action="store_true",
                    help="also run llamajet without the fusion passes, alternating rounds")
     b.add_argument("--rounds", type=int, default=3, help="rounds per engine (single-stream) or per batch size (--batch)")
-    b.add_argument("--kernels", default="fast", help="fast | a16 | reference (single-stream mode)")
     b.add_argument("--batch", default=None, help="concurrent sequences, comma-separated, e.g. 1,4,16,64")
     b.add_argument("--prompt-tokens", type=int, default=64, help="prompt length of every sequence")
     b.add_argument("--max-tokens", "-n", type=int, default=128, help="tokens generated per sequence")
-    b.add_argument("--kv-dtype", default="f16", help="KV cache storage: f32|f16 (default)|bf16|int8")
-    b.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
     b.add_argument("--corpus", default=None, help="text the prompts are cut from (default: WikiText-2 test)")
     b.add_argument("--json", default=None, help="also write the results to this JSON file")
     b.set_defaults(fn=cmd_bench)
     gr = sub.add_parser("graph", help="the step graph after the fusion passes: each node's kernel and arena "
                                       "slot, arena size vs the naive sum of activations")
-    gr.add_argument("--model", "-m", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
     gr.add_argument("--phase", choices=("decode", "prefill"), default="decode",
                     help="decode: 1 token per step; prefill: --tokens per step")
     gr.add_argument("--tokens", type=int, default=512, help="tokens of a prefill step")
-    gr.add_argument("--no-fuse", action="store_true", help="the graph as built, without the fusion passes")
     gr.add_argument("--dot", default=None, metavar="FILE", help="also write the graph as Graphviz DOT")
-    gr.add_argument("--isa", default=None, help="kernel tier to name: scalar|avx2|avx512 (default: best)")
-    gr.add_argument("--kernels", default="fast", choices=("fast", "a16", "reference"))
-    gr.add_argument("--kv-dtype", default="f16", help="KV cache storage: f32|f16 (default)|bf16|int8")
-    gr.add_argument("--max-model-len", type=int, default=None, help="context length (sizes the RoPE tables)")
+    _add_model_args(gr, skip=("kv_prefault", "enable_prefix_caching", "max_num_seqs", "max_tokens_per_step",
+                              "kv_cache_tokens", "block_size", "n_threads"))
     gr.set_defaults(fn=cmd_graph)
     return ap
 

@@ -13,19 +13,23 @@ RoPE is described in one of two equivalent ways:
 - ``rope_freq_factors``: one divisor per frequency, as llama.cpp stores the same
   scaling precomputed in a GGUF ``rope_freqs`` tensor.
 ``rope_inv_freq()`` turns either into the per-pair inverse frequencies.
+
+``RuntimeConfig`` (at the end) is the other half: every option of how a model
+runs (threads, kernels, KV cache, batching), with its default, once.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 
-from llamajet.errors import ModelFormatError, UnsupportedModelError
+from llamajet.errors import ModelFormatError, RequestError, UnsupportedModelError
 from llamajet.gguf_meta import GGUFMeta, typed
 
 
@@ -80,11 +84,11 @@ class ModelConfig:
     mlp_bias: bool = False        # Llama's flag: gate, up and down projections have biases
 
     def __post_init__(self):
-        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                      "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
-            value = getattr(self, field)
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ModelFormatError(f"{field} must be a positive integer, got {value!r}")
+                raise ModelFormatError(f"{name} must be a positive integer, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
                 f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}"
@@ -105,11 +109,11 @@ class ModelConfig:
                 )
             if not all(math.isfinite(f) and f > 0 for f in self.rope_freq_factors):
                 raise ModelFormatError("rope_freq_factors must all be finite and > 0")
-        for field, ids in (("bos_token_id", () if self.bos_token_id is None else (self.bos_token_id,)),
-                           ("eos_token_ids", self.eos_token_ids)):
+        for name, ids in (("bos_token_id", () if self.bos_token_id is None else (self.bos_token_id,)),
+                          ("eos_token_ids", self.eos_token_ids)):
             for tok in ids:
                 if not 0 <= tok < self.vocab_size:
-                    raise ModelFormatError(f"{field} {tok} is outside the vocabulary [0, {self.vocab_size})")
+                    raise ModelFormatError(f"{name} {tok} is outside the vocabulary [0, {self.vocab_size})")
 
     # --- derived sizes -------------------------------------------------------------
 
@@ -468,3 +472,146 @@ def _parse_gguf(reader) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in names,
         mlp_bias="blk.0.ffn_gate.bias" in names,
     )
+
+
+# =====================================================================================
+# The runtime configuration
+# =====================================================================================
+
+# The KV cache storage types by option name. NOTE: these name the C++ core's
+# KV types (ops.KV_DTYPES, exported by the extension); this module may not
+# import the core, so tests/test_contract.py ties the two lists together.
+KV_CACHE_DTYPES = ("f32", "f16", "bf16", "int8")
+# matmul kernels: "fast" = packed weights with int8 activations (W*A8), "a16" =
+# packed weights with float activations (W*A16), "reference" = weights as
+# loaded, dequantized in fp32 inside the matmul
+KERNELS = ("fast", "a16", "reference")
+DEFAULT_MAX_MODEL_LEN = 4096  # KV memory grows with it; models may allow more
+DEFAULT_KV_CACHE_TOKENS = 8192  # default pool: at least this many tokens (or one full context)
+
+
+def _option(default, help: str, **meta):
+    """A RuntimeConfig field: its default and the help the CLI shows, once."""
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Every engine and runtime option with its default, once.
+
+    ``LLM(path, **options)`` builds one; the runner and the engine read it;
+    the CLI's flags (cli.py, add_runtime_args) are made from these fields, so
+    an option cannot exist in one place and not the other. Frozen: a changed
+    option is a new config (``dataclasses.replace``).
+    """
+
+    max_model_len: int | None = _option(
+        None, "context served: prompt + output tokens (default: min(the model's, 4096))")
+    n_threads: int | None = _option(
+        None, "compute threads (default: the physical cores this process may use)", flags=("--threads", "-t"))
+    isa: str | None = _option(
+        None, "force a kernel tier: scalar | avx2 | avx512 | amx (default: the best this CPU has)")
+    kernels: str = _option(
+        "fast", "fast (packed weights, int8 activations) | a16 (packed, float activations) | reference "
+        "(weights as loaded, dequantized in fp32)", choices=KERNELS)
+    quantize: str | None = _option(
+        None, "RTN-quantize float weights at load to this scheme, e.g. int4_asym_g32 (packed kernels only)")
+    kv_dtype: str = _option(
+        "f16", "KV cache storage: f16 (KL 4e-7 vs f32 on WikiText-2, llama.cpp's default too) | f32 | bf16 | "
+        "int8 (a scale per token and head)", choices=KV_CACHE_DTYPES)
+    kv_cache_tokens: int | None = _option(
+        None, "KV pool size in tokens (default: max(max_model_len, 8192))")
+    block_size: int = _option(16, "token slots per KV block")
+    enable_prefix_caching: bool = _option(True, "reuse the K/V of equal prompt prefixes across requests")
+    # The block manager hands out blocks least-recently-freed first (so cached
+    # prefixes live longest), which walks the whole pool anyway; committing
+    # lazily only moves that cost into steps as page faults (measured: 3.4 of
+    # 23 ms per batch-16 decode step of SmolLM2-135M).
+    kv_prefault: bool = _option(True, "commit the KV pool's memory at start, so no step takes page faults")
+    fuse: bool = _option(True, "run the fusion passes (QKV + RoPE, gate/up + SwiGLU, residual epilogues, "
+                               "add + RMSNorm with int8 on write, final norm in the LM head)")
+    max_num_seqs: int = _option(64, "sequences computed together in one step")
+    max_tokens_per_step: int = _option(256, "token budget of a step (prefill chunks + decode tokens)")
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str):
+            raise RequestError(f"{name}={getattr(self, name)!r}: {why}")
+
+        for name in ("max_model_len", "n_threads", "kv_cache_tokens"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                bad(name, "must be a positive integer or None")
+        for name in ("block_size", "max_num_seqs", "max_tokens_per_step"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                bad(name, "must be a positive integer")
+        for name in ("enable_prefix_caching", "kv_prefault", "fuse"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be True or False")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            bad("max_model_len", "must be >= 2 (a prompt token and a new one)")
+        if self.kernels not in KERNELS:
+            bad("kernels", f"use one of {', '.join(KERNELS)}")
+        if self.kv_dtype not in KV_CACHE_DTYPES:
+            bad("kv_dtype", f"use one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.quantize is not None and self.kernels == "reference":
+            bad("quantize", "a quantization scheme needs the packed kernels (kernels='fast' or 'a16')")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
+            bad("kv_cache_tokens", f"must hold at least one block ({self.block_size} tokens)")
+        for name in ("isa", "quantize"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                bad(name, "must be a name or None")
+
+    def with_options(self, **options) -> "RuntimeConfig":
+        """This config with `options` changed; an unknown name is an error
+        naming it (and the closest option)."""
+        known = {f.name for f in dataclasses.fields(self)}
+        for name in options:
+            if name not in known:
+                import difflib
+
+                close = difflib.get_close_matches(name, known, n=1)
+                raise RequestError(f"unknown option {name!r}" + (f"; did you mean {close[0]!r}?" if close else
+                                                                  f"; options: {', '.join(sorted(known))}"))
+        return dataclasses.replace(self, **options)
+
+    # --- derived -----------------------------------------------------------------
+
+    @property
+    def repack(self) -> bool:
+        """Weights go to the packed kernels' layout (kernels fast or a16)."""
+        return self.kernels != "reference"
+
+    @property
+    def act_int8(self) -> bool:
+        """Packed matmuls take int8 activations (W*A8)."""
+        return self.kernels == "fast"
+
+    def for_model(self, model: ModelConfig) -> "RuntimeConfig":
+        """This config with max_model_len resolved for `model` (and checked against its limit)."""
+        limit = model.max_position_embeddings
+        n = self.max_model_len if self.max_model_len is not None else min(limit, DEFAULT_MAX_MODEL_LEN)
+        if not 2 <= n <= limit:
+            raise RequestError(f"max_model_len={n} must be in 2..{limit} for this model")
+        return dataclasses.replace(self, max_model_len=n)
+
+    def _resolved_len(self) -> int:
+        if self.max_model_len is None:
+            raise ValueError("max_model_len is not resolved yet (RuntimeConfig.for_model)")
+        return self.max_model_len
+
+    @property
+    def step_tokens(self) -> int:
+        """The step token budget, never above the context."""
+        return min(self.max_tokens_per_step, self._resolved_len())
+
+    @property
+    def step_seqs(self) -> int:
+        """Sequences per step: never more than the step's tokens."""
+        return min(self.max_num_seqs, self.step_tokens)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        tokens = self.kv_cache_tokens or max(self._resolved_len(), DEFAULT_KV_CACHE_TOKENS)
+        return -(-tokens // self.block_size)

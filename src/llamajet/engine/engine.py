@@ -25,7 +25,6 @@ from typing import Iterator
 import numpy as np
 
 from llamajet.engine.block_manager import BlockManager
-from llamajet.engine.config import EngineConfig
 from llamajet.engine.runner import ModelRunner, StepBatch
 from llamajet.engine.sampling import SamplingParams
 from llamajet.engine.scheduler import Scheduler
@@ -61,16 +60,12 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, tokenizer, config: EngineConfig | None = None) -> None:
+    def __init__(self, runner: ModelRunner, tokenizer) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
-        self.config = config or EngineConfig(max_model_len=runner.max_model_len,
-                                             max_num_seqs=runner.max_seqs,
-                                             max_tokens_per_step=runner.max_tokens,
-                                             block_size=runner.block_size)
+        self.config = runner.runtime  # the RuntimeConfig, max_model_len resolved
         self.blocks = BlockManager(runner.num_blocks, runner.block_size, self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs=min(self.config.max_num_seqs, runner.max_seqs),
-                                   max_tokens=runner.max_tokens)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs=runner.max_seqs, max_tokens=runner.max_tokens)
         self._all_rows = np.arange(runner.max_out, dtype=np.int32)
         self._inbox: deque[tuple[str, Sequence]] = deque()  # from other threads, see post()
         self.last_stats = RequestStats()

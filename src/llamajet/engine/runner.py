@@ -1,17 +1,20 @@
 """ModelRunner: owns the executor, its arena and KV pool, and runs steps.
 
-One runner = one compiled Program for steps of up to `max_tokens` tokens
-(any mix of prefill chunks and decode tokens), from up to `max_seqs`
-sequences, asking for up to `max_out` rows of logits. Every matmul of a step
-runs with M = the step's token count, whatever sequences they belong to;
-only attention looks at which sequence a token is from (its block table and
-position).
+One runner = one compiled Program for steps of up to `step_tokens` tokens
+(any mix of prefill chunks and decode tokens), from up to `step_seqs`
+sequences, asking for up to `max_out` rows of logits, as the RuntimeConfig
+says. Every matmul of a step runs with M = the step's token count, whatever
+sequences they belong to; only attention looks at which sequence a token is
+from (its block table and position).
 
 The KV pool holds `num_blocks` blocks of `block_size` token slots for every
 layer, in storage type `kv_dtype` (f32, f16, bf16, or int8 with a scale per
 token and head). Which blocks a sequence uses is the BlockManager's business;
 the runner turns a schedule into the step's arrays and does the block copies
 copy-on-write asked for.
+
+The pipeline weights -> graph -> fusion is `compile_graph`, which `llamajet
+graph` runs too, so what it shows is what the runner runs.
 """
 
 from __future__ import annotations
@@ -22,12 +25,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from llamajet import ops
+from llamajet.config import RuntimeConfig
+from llamajet.formats.convert import prepare_weights
+from llamajet.graph.ir import Graph
 from llamajet.graph.lower import KVLayout, lower
-from llamajet.graph.planner import MemoryPlan, plan_memory
-from llamajet.loaders import LoadedModel
 from llamajet.graph.passes import FusionContext
 from llamajet.graph.passes import fuse as fuse_graph
-from llamajet.formats.convert import prepare_weights
+from llamajet.graph.planner import MemoryPlan, plan_memory
+from llamajet.loaders import LoadedModel
 from llamajet.model import registry
 
 
@@ -43,71 +48,76 @@ class StepBatch:
     out_rows: np.ndarray      # [n_out] tokens whose logits are returned
 
 
+@dataclass
+class CompiledGraph:
+    graph: Graph            # the step graph, after the fusion passes when cfg.fuse
+    fusion_log: list[str]   # what the passes rewrote
+
+
+def compile_graph(model: LoadedModel, cfg: RuntimeConfig) -> CompiledGraph:
+    """Weights as the kernels want them (formats/convert.py: GGUF blocks
+    repacked, or RTN to cfg.quantize, on cfg's threads and tier), the
+    architecture's graph (model/registry.py), and the fusion passes (fused
+    weights stacked once, here; the parts no node reads are dropped)."""
+    weights = prepare_weights(model.weights, repack=cfg.repack, scheme=cfg.quantize, isa=cfg.isa,
+                              n_threads=cfg.n_threads)
+    graph = registry.get(model.config.architecture).build(model.config, weights, cfg.max_model_len)
+    log = fuse_graph(graph, FusionContext(act_int8=cfg.act_int8)) if cfg.fuse else []
+    return CompiledGraph(graph, log)
+
+
 class ModelRunner:
-    def __init__(self, model: LoadedModel, *, max_model_len: int, max_tokens: int = 256,
-                 max_out: int = 64, max_seqs: int = 1, block_size: int = 16,
-                 num_blocks: int | None = None, n_threads: int | None = None,
-                 isa: str | None = None, kv_dtype: str = "f32", kernels: str = "fast",
-                 scheme: str | None = None, fuse: bool = True, prefault_kv: bool = False) -> None:
-        cfg = model.config
-        if kv_dtype not in ops.KV_DTYPES:
-            raise ValueError(f"kv_dtype={kv_dtype!r}: use one of {', '.join(ops.KV_DTYPES)}")
+    def __init__(self, model: LoadedModel, cfg: RuntimeConfig) -> None:
+        cfg = cfg.for_model(model.config) if cfg.max_model_len is None else cfg
         self.model = model
-        self.config = cfg
-        self.max_model_len = max_model_len
-        self.max_tokens = max_tokens
-        self.max_seqs = max_seqs
-        # every sequence of a step may want its logits row
-        self.max_out = min(max(max_out, max_seqs), max_tokens)
-        self.block_size = block_size
-        self.kv_dtype = kv_dtype
-        self.max_blocks = math.ceil(max_model_len / block_size)
-        # Default pool: every sequence of the batch at full length.
-        self.num_blocks = num_blocks if num_blocks is not None else self.max_blocks * max_seqs
-        # Weights as the kernels want them (formats/convert.py: GGUF blocks repacked, or RTN to `scheme`).
-        if kernels not in ("fast", "a16", "reference"):
-            raise ValueError(f"kernels={kernels!r}: use one of fast, a16, reference")
-        self.kernels = kernels
-        self.weights = prepare_weights(model.weights, repack=kernels != "reference", scheme=scheme, isa=isa,
-                                       n_threads=n_threads)
-        self.graph = registry.get(cfg.architecture).build(cfg, self.weights, max_model_len)
-        # Fusion passes (graph/passes): fused weights are stacked once, here.
-        self.fusion_log = (fuse_graph(self.graph, FusionContext(act_int8=kernels == "fast"))
-                           if fuse else [])
+        self.runtime = cfg
+        self.config = model.config
+        self.max_model_len = cfg.max_model_len
+        self.max_tokens = cfg.step_tokens
+        self.max_seqs = cfg.step_seqs
+        # every sequence of a step may want its logits row; scoring takes 64 rows at a time
+        self.max_out = min(max(64, self.max_seqs), self.max_tokens)
+        self.block_size = cfg.block_size
+        self.kv_dtype = cfg.kv_dtype
+        self.kernels = cfg.kernels
+        self.max_blocks = math.ceil(self.max_model_len / self.block_size)
+        self.num_blocks = cfg.num_kv_blocks
+        compiled = compile_graph(model, cfg)
+        self.graph, self.fusion_log = compiled.graph, compiled.fusion_log
         # What the Program reads (after fusion: the stacked matrices, not their parts).
         self.weights = dict(self.graph.weights)
-        self.plan: MemoryPlan = plan_memory(self.graph, {"T": max_tokens, "O": self.max_out})
+        self.plan: MemoryPlan = plan_memory(self.graph, {"T": self.max_tokens, "O": self.max_out})
         self.exe = ops.Executor(
-            isa=ops.resolve_isa(isa), n_threads=n_threads or ops.default_threads(),
-            max_tokens=max_tokens, max_out=self.max_out, max_seqs=max_seqs, max_blocks=self.max_blocks,
-            kv_slots=self.num_blocks * block_size, block_size=block_size, max_pos=max_model_len,
+            isa=ops.resolve_isa(cfg.isa), n_threads=cfg.n_threads or ops.default_threads(),
+            max_tokens=self.max_tokens, max_out=self.max_out, max_seqs=self.max_seqs, max_blocks=self.max_blocks,
+            kv_slots=self.num_blocks * self.block_size, block_size=self.block_size, max_pos=self.max_model_len,
             scratch_floats=0)  # the executor sizes per-thread scratch from the ops it is given
         self.arena = self.exe.alloc_buffer(self.plan.arena_bytes)
-        num_slots = self.num_blocks * block_size
+        mc = model.config
+        num_slots = self.num_blocks * self.block_size
         # Not zeroed by the allocator, so committed lazily (an unused block
-        # costs no RSS) unless prefault_kv: then written once here, so steps
-        # never take page faults (see EngineConfig.kv_prefault).
-        kv_buf = self.exe.alloc_buffer(KVLayout.nbytes(cfg.num_layers, num_slots, cfg.num_kv_heads,
-                                                       cfg.head_dim, kv_dtype))
-        if prefault_kv:
+        # costs no RSS) unless kv_prefault: then written once here, so steps
+        # never take page faults (RuntimeConfig.kv_prefault).
+        kv_buf = self.exe.alloc_buffer(KVLayout.nbytes(mc.num_layers, num_slots, mc.num_kv_heads, mc.head_dim,
+                                                       self.kv_dtype))
+        if cfg.kv_prefault:
             self.exe.buffer(kv_buf)[:] = 0
-        self.kv = KVLayout(kv_buf, num_slots, cfg.num_kv_heads, cfg.head_dim, block_size, kv_dtype)
+        self.kv = KVLayout(kv_buf, num_slots, mc.num_kv_heads, mc.head_dim, self.block_size, self.kv_dtype)
         # packed matmuls run with float activations (W*A16) unless kernels="fast"
-        lower(self.graph, self.plan, self.exe, self.arena, self.kv,
-              defaults={"matmul": {"float_act": kernels != "fast"}})
+        lower(self.graph, self.plan, self.exe, self.arena, self.kv, defaults={"matmul": {"float_act": not cfg.act_int8}})
         # The logits region of the arena, viewed once (valid after each step).
         arena = self.exe.buffer(self.arena)
         off = self.plan.offsets["logits"]
-        self._logits = arena[off : off + self.max_out * cfg.vocab_size * 4].view(np.float32).reshape(
-            self.max_out, cfg.vocab_size)
+        self._logits = arena[off : off + self.max_out * mc.vocab_size * 4].view(np.float32).reshape(
+            self.max_out, mc.vocab_size)
         off = self.plan.offsets["greedy"]  # each logits row's argmax (int32)
         self._greedy = arena[off : off + self.max_out * 4].view(np.int32)
         # The KV pools as [2 * layers, num_blocks, bytes per block], for block copies.
-        block_bytes = block_size * self.kv.row_bytes
-        self._kv_blocks = self.exe.buffer(kv_buf)[: 2 * cfg.num_layers * self.kv.pool_bytes].reshape(
-            2 * cfg.num_layers, self.kv.pool_bytes)[:, : self.num_blocks * block_bytes].reshape(
-            2 * cfg.num_layers, self.num_blocks, block_bytes)
-        self.kv_bytes_per_block = 2 * cfg.num_layers * block_bytes  # K and V, every layer
+        block_bytes = self.block_size * self.kv.row_bytes
+        self._kv_blocks = self.exe.buffer(kv_buf)[: 2 * mc.num_layers * self.kv.pool_bytes].reshape(
+            2 * mc.num_layers, self.kv.pool_bytes)[:, : self.num_blocks * block_bytes].reshape(
+            2 * mc.num_layers, self.num_blocks, block_bytes)
+        self.kv_bytes_per_block = 2 * mc.num_layers * block_bytes  # K and V, every layer
 
     @property
     def isa(self) -> str:

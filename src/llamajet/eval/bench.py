@@ -130,17 +130,20 @@ def main(a) -> int:
     batches = sorted({int(b) for b in str(a.batch).split(",") if b.strip()})
     if not batches or batches[0] < 1:
         raise SystemExit("llamajet bench: --batch takes positive integers, e.g. 1,4,16,64")
+    from llamajet.options import runtime_config
+
     length = a.prompt_tokens + a.max_tokens
-    max_len = a.max_model_len or length
-    llm = LLM(a.model, n_threads=a.threads, isa=a.isa, max_model_len=max_len, kernels=getattr(a, "kernels", "fast"),
-              max_num_seqs=max(batches), block_size=a.block_size, kv_dtype=a.kv_dtype,
-              kv_cache_tokens=max(batches) * (-(-length // a.block_size)) * a.block_size)
+    cfg = runtime_config(a)
+    # a pool for every sequence at full length, and one step that can hold all of them
+    cfg = cfg.with_options(max_model_len=cfg.max_model_len or length, max_num_seqs=max(batches),
+                           kv_cache_tokens=max(batches) * (-(-length // cfg.block_size)) * cfg.block_size)
+    llm = LLM(a.model, cfg)
     vocab = llm.config.vocab_size
     corpus = Path(a.corpus) if a.corpus else DEFAULT_CORPUS
     prompts = bench_prompts(llm.tokenizer, max(batches), a.prompt_tokens, corpus, vocab)
     run_batch(llm, prompts[:1], 4)  # warm-up: code paths, thread pool
-    print(f"model: {llm.path.name}  isa: {llm.isa}  threads: {llm.n_threads}  kv: {a.kv_dtype}, "
-          f"block {a.block_size}  prompt {a.prompt_tokens} + {a.max_tokens} new tokens per sequence")
+    print(f"model: {llm.path.name}  isa: {llm.isa}  threads: {llm.n_threads}  kv: {cfg.kv_dtype}, "
+          f"block {cfg.block_size}  prompt {a.prompt_tokens} + {a.max_tokens} new tokens per sequence")
     # Rounds alternate over the batch sizes (this machine's speed drifts: every
     # size sees the same drift); each size reports its median-throughput round.
     rounds = max(1, a.rounds)
@@ -153,9 +156,9 @@ def main(a) -> int:
     results = [sorted(runs[b], key=lambda r: r.decode_tps)[(rounds - 1) // 2] for b in batches]
     print(format_results(results), flush=True)
     pool = llm.engine.runner.kv_pool_bytes
-    print(f"KV pool: {llm.engine.blocks.num_blocks} blocks x {a.block_size} slots = "
+    print(f"KV pool: {llm.engine.blocks.num_blocks} blocks x {cfg.block_size} slots = "
           f"{pool / 2**20:.1f} MiB allocated (committed at start); "
-          f"{llm.engine.runner.kv_bytes_per_block // a.block_size} bytes per token")
+          f"{llm.engine.runner.kv_bytes_per_block // cfg.block_size} bytes per token")
     if a.json:
         Path(a.json).write_text(json.dumps([dict(asdict(r), decode_tps=r.decode_tps, prefill_tps=r.prefill_tps,
                                                  kv_utilization=r.kv_utilization) for r in results], indent=1))

@@ -37,13 +37,13 @@ def _peak_rss_mib() -> float:
     return float("nan")
 
 
-def _llamajet_worker(conn, model, threads, kernels, max_len, fuse=True):
+def _llamajet_worker(conn, model, cfg, max_len, fuse=True):
     from llamajet import LLM, SamplingParams
 
     # no prefix cache: every round must really prefill; one step holds the 512-token prompt
-    llm = LLM(model, n_threads=threads, kernels=kernels, max_model_len=max_len, max_tokens_per_step=512,
-              enable_prefix_caching=False, max_num_seqs=1, fuse=fuse)
-    conn.send(("ready", f"llamajet ({llm.isa}, {kernels}{'' if fuse else ', no-fuse'})"))
+    llm = LLM(model, cfg, max_model_len=max_len, max_tokens_per_step=512, enable_prefix_caching=False,
+              max_num_seqs=1, fuse=fuse and cfg.fuse)
+    conn.send(("ready", f"llamajet ({llm.isa}, {cfg.kernels}{'' if llm.runtime.fuse else ', no-fuse'})"))
 
     def timed(ids, n):
         t = time.perf_counter()
@@ -53,10 +53,13 @@ def _llamajet_worker(conn, model, threads, kernels, max_len, fuse=True):
     _serve(conn, timed)
 
 
-def _llama_cpp_worker(conn, model, threads, kernels, max_len, fuse=True):
+def _llama_cpp_worker(conn, model, cfg, max_len, fuse=True):
     import llama_cpp
     import numpy as np
 
+    from llamajet.ops import default_threads
+
+    threads = cfg.n_threads or default_threads()
     lc = llama_cpp.Llama(model_path=str(model), n_threads=threads, n_threads_batch=threads, n_ctx=max_len,
                          n_batch=512, flash_attn=True, verbose=False)
     conn.send(("ready", f"llama.cpp {llama_cpp.__version__}"))
@@ -123,16 +126,18 @@ def _round(conn, prompts, fig: EngineFigures):
     fig.decode.append(NEW_TOKENS / (conn.recv()[1] - t1))
 
 
-def run(model: str | None = None, threads: int | None = None, rounds: int = 3, vs_llama_cpp: bool = False,
-        kernels: str = "fast", corpus: Path | None = None, json_path: str | None = None,
-        vs_no_fuse: bool = False) -> str:
+def run(model: str | None = None, cfg=None, rounds: int = 3, vs_llama_cpp: bool = False,
+        corpus: Path | None = None, json_path: str | None = None, vs_no_fuse: bool = False) -> str:
+    """`cfg`: the RuntimeConfig both llamajet workers start from (threads, kernels, KV type, ...)."""
+    from llamajet.config import RuntimeConfig
     from llamajet.loaders import load_model
     from llamajet.models import default_model_path
     from llamajet.ops import default_threads
     from llamajet.tokenizer import load_tokenizer, tokenizer_from_gguf
 
     model = str(model or default_model_path())
-    threads = threads or default_threads()
+    cfg = cfg or RuntimeConfig()
+    threads = cfg.n_threads or default_threads()
     lm = load_model(model)
     tok = tokenizer_from_gguf(lm.gguf_reader) if lm.gguf_reader is not None else load_tokenizer(model)
     text = Path(corpus or DEFAULT_CORPUS).read_text(encoding="utf-8")[:200_000]
@@ -147,7 +152,7 @@ def run(model: str | None = None, threads: int | None = None, rounds: int = 3, v
     conns, procs, figs = [], [], []
     for name, fn, fuse in workers:
         a, b = ctx.Pipe()
-        pr = ctx.Process(target=fn, args=(b, model, threads, kernels, max_len, fuse), daemon=True)
+        pr = ctx.Process(target=fn, args=(b, model, cfg.with_options(n_threads=threads), max_len, fuse), daemon=True)
         pr.start()
         b.close()  # only the child holds its end: if it dies, recv() here raises EOFError instead of waiting
         conns.append(_Checked(a, name, pr))

@@ -121,27 +121,26 @@ def format_table(scores: dict[str, Score], reference: str, bytes_per_token: dict
 
 def main(argv: list[str] | None = None) -> int:
     from llamajet.api import LLM
+    from llamajet.options import add_runtime_args, runtime_config
 
     ap = argparse.ArgumentParser(prog="python -m llamajet.eval.perplexity",
                                  description="Perplexity and KL of KV-cache precisions on a corpus")
     ap.add_argument("--model", "-m", default=None, help="HF folder or .gguf (default: the default model)")
     ap.add_argument("--kv-dtype", default="f32,f16,bf16,int8", help="comma-separated; the first is the reference")
-    ap.add_argument("--kernels", default="a16",
-                    help="matmul kernels (a16 | fast | reference); a16 isolates the KV precision (see the docstring)")
     ap.add_argument("--corpus", default=str(DEFAULT_CORPUS))
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--windows", type=int, default=8)
-    ap.add_argument("--threads", "-t", type=int, default=None)
+    # a16 kernels isolate what the KV precision costs (see the docstring)
+    add_runtime_args(ap, only=("n_threads", "isa", "kernels", "quantize", "fuse"), defaults={"kernels": "a16"})
     a = ap.parse_args(argv)
     dtypes = a.kv_dtype.split(",")
-    llms = {d: LLM(a.model, max_model_len=a.window, kv_dtype=d, kernels=a.kernels, n_threads=a.threads,
-                   kv_cache_tokens=a.window)
-            for d in dtypes}
+    cfg = runtime_config(a, max_model_len=a.window, kv_cache_tokens=a.window)
+    llms = {d: LLM(a.model, cfg, kv_dtype=d) for d in dtypes}
     first = llms[dtypes[0]]
     windows = corpus_windows(first.tokenizer, Path(a.corpus).read_text(encoding="utf-8"), a.window, a.windows)
     scores = evaluate(llms, windows, dtypes[0])
     bpt = {d: llm.engine.runner.kv_bytes_per_block // llm.engine.runner.block_size for d, llm in llms.items()}
-    print(f"model: {first.path.name}  kernels: {a.kernels}  corpus: {Path(a.corpus).name}  "
+    print(f"model: {first.path.name}  kernels: {cfg.kernels}  corpus: {Path(a.corpus).name}  "
           f"{len(windows)} windows x {a.window} tokens")
     print(format_table(scores, dtypes[0], bpt))
     return 0
