@@ -100,16 +100,18 @@ constexpr int64_t ROWS_OUT = -2;     // rows whose logits are wanted
 // resolves `data` once, when the op is added. Absent (optional operands):
 // buffer < 0 and ptr null; then data stays null.
 struct Ref {
+  void* data = nullptr;       // resolved by the executor; what kernels read
+  int64_t rows = 0;           // leading dimension: a count, or ROWS_TOKENS / ROWS_OUT
+  int64_t cols = 0;           // elements per row (KV pools: kv_heads * head_dim)
+  int64_t group = 0;          // packed, Q8_ACT: elements per scale group; KV pools: head_dim
+  int32_t dtype = F32;        // storage type (DType)
   int32_t buffer = -1;        // executor buffer id; -1: external memory (ptr), or absent
   int64_t offset = 0;         // bytes into the buffer (a multiple of 4)
   const void* ptr = nullptr;  // external memory
   int64_t nbytes = 0;         // bytes at ptr
-  int32_t dtype = F32;        // storage type (DType)
-  int64_t rows = 0;           // leading dimension: a count, or ROWS_TOKENS / ROWS_OUT
-  int64_t cols = 0;           // elements per row (KV pools: kv_heads * head_dim)
-  int64_t group = 0;          // packed, Q8_ACT: elements per scale group; KV pools: head_dim
-  void* data = nullptr;       // resolved by the executor; what kernels read
 };
+// 64 bytes, what kernels read first: one cache line per operand.
+static_assert(sizeof(Ref) == 64, "Ref is one cache line");
 
 static inline bool present(const Ref& r) { return r.buffer >= 0 || r.ptr != nullptr; }
 

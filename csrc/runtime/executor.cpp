@@ -115,7 +115,7 @@ void Executor::add(P p) {
     ++allocations_;
   }
   params_.emplace_back(std::move(p));
-  slots_.push_back({table_->fn[T::kind], &std::get<P>(params_.back()), (int)T::kind});
+  slots_.push_back({table_->fn[T::kind], &std::get<P>(params_.back()), (int)T::kind, (int)sizeof(P)});
 }
 
 #define LJ_OP_ADD(KIND, name, P, FIELDS, kernel) template void Executor::add<P>(P);
@@ -172,6 +172,12 @@ void Executor::job(void* self, int ith, int nth) {
   auto t0 = std::chrono::steady_clock::now();
   for (size_t k = 0; k < n; ++k) {
     const Slot& op = e->slots_[k];
+    // The next op's params into cache while this one runs: the weights
+    // streaming through every step evict them, and a kernel's first reads
+    // of its struct (a matmul's ~750 bytes) would otherwise wait on memory.
+    if (k + 1 < n)
+      for (int off = 0; off < e->slots_[k + 1].bytes; off += 64)
+        __builtin_prefetch((const char*)e->slots_[k + 1].params + off, 0, 3);
     op.fn(op.params, e->ctx_, ith, nth);
     if (k + 1 < n || e->profiling_) e->pool_->barrier();  // all threads see profiling_
     if (prof) {

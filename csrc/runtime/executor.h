@@ -77,6 +77,7 @@ class Executor {
     KernelFn fn;
     const void* params;
     int kind;
+    int bytes;  // sizeof the params struct (prefetched while the op before runs)
   };
   std::deque<AnyOp> params_;
   std::vector<Slot> slots_;
