@@ -12,7 +12,6 @@ whether its prefix came from the cache change nothing in its logits.
 from __future__ import annotations
 
 import asyncio
-import statistics
 from contextlib import aclosing
 
 import pytest
@@ -159,36 +158,36 @@ def test_prefix_cache_reuses_blocks_with_identical_output(stories_hf):
     assert again.token_ids == nocache.generate([prefix], p)[0].token_ids
 
 
-def test_prefix_cache_first_token_at_least_5x_sooner(smollm2_gguf):
-    """A second request sharing a 256-token prefix with a finished one gets its
-    first token >= 5x sooner, with identical output.
-
-    Why this timing is stable: on the default model (30 layers) the cold
-    request computes 264 tokens, the warm one 8; the compute ratio is ~30x and
-    measured ~19x here with the fixed per-request costs. The threshold leaves
-    ~4x of room for noise (this machine is shared), each prefix is fresh (a
-    real cold start), cold and warm alternate so a load burst hits both, and
-    the ratio is of medians over 5 pairs."""
+def test_prefix_cache_computes_only_the_new_tokens(smollm2_gguf):
+    """A second request sharing a 256-token prefix with a finished one computes
+    only its own tokens (the 16 full blocks of the prefix come from the
+    cache), with identical output; with the cache off it computes all of them.
+    Counted in tokens the engine computed (EngineStats.tokens), not timed: the
+    time to first token this saves is measured in benchmarks/prefix_cache_ttft.py."""
     llm = LLM(smollm2_gguf, max_model_len=512)
     tok = llm.tokenizer
     from conftest import SHARED_DATA
 
-    text = (SHARED_DATA / "corpora" / "wikitext-2-raw-test.txt").read_text()[:40_000]
-    ids = tok.encode(text)
+    ids = tok.encode((SHARED_DATA / "corpora" / "wikitext-2-raw-test.txt").read_text()[:40_000])
+    assert len(ids) > 6008
     p = greedy(8, ignore_eos=True)
-    cold, warm = [], []
-    for r in range(5):
-        prefix = ids[600 * r : 600 * r + 256]
-        a = prefix + ids[4000 + 20 * r : 4000 + 20 * r + 8]
-        b = prefix + ids[6000 + 20 * r : 6000 + 20 * r + 8]
-        cold.append(llm.generate([a], p)[0].metrics.ttft_s)
-        ob = llm.generate([b], p)[0]
-        assert ob.metrics.cached_tokens == 256
-        warm.append(ob.metrics.ttft_s)
-    ratio = statistics.median(cold) / statistics.median(warm)
-    assert ratio >= 5, (cold, warm)
+    prefix = ids[:256]
+    a, b = prefix + ids[4000:4008], prefix + ids[6000:6008]
+    stats = llm.engine.stats
+    computed = []
+    for req in (a, b):
+        before = stats.tokens
+        out = llm.generate([req], p)[0]
+        computed.append(stats.tokens - before)
+    assert out.metrics.cached_tokens == 256
+    # a: its 264 prompt tokens, then 7 decode steps (the 8th token ends it unsampled
+    # as input); b: only its 8 new prompt tokens, then the same 7 decode steps
+    assert computed == [264 + 7, 8 + 7], computed
     llm.engine.blocks.reset_cache()
-    assert llm.generate([b], p)[0].token_ids == ob.token_ids  # same output computed from scratch
+    before = stats.tokens
+    again = llm.generate([b], p)[0]
+    assert stats.tokens - before == 264 + 7 and again.metrics.cached_tokens == 0
+    assert again.token_ids == out.token_ids  # same output computed from scratch
 
 
 def test_async_streams_run_together(stories_hf, alone):

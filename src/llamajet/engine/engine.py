@@ -222,13 +222,6 @@ class Engine:
         finally:
             self.abort(seq)  # a consumer that stops early frees the blocks
 
-    def generate_ids(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[tuple[int, str | None]]:
-        """Yields (token_id, finish_reason) per new token, as before text;
-        a stop token ends generation and is not yielded."""
-        for ev in self.stream(prompt_ids, params):
-            if ev.token_id is not None:
-                yield ev.token_id, ev.finish_reason
-
     def run_all(self, seqs: list[Sequence]) -> list[Sequence]:
         """Queues `seqs` and steps until every one has finished."""
         for s in seqs:

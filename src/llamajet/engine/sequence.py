@@ -78,14 +78,6 @@ class Sequence:
         return self.token_ids[: self.num_prompt]
 
     @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt:]
-
-    @property
-    def all_ids(self) -> list[int]:
-        return self.token_ids
-
-    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 

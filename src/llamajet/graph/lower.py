@@ -92,7 +92,7 @@ def tensor_ref(graph: Graph, plan: MemoryPlan, arena: int, t: str):
                                                                 (shape[0], 1))
     if spec.kind == "weight":
         w = graph.weights[t]
-        return ops.Ref.from_array(w.data, ops.dtype(w.dtype), rows, cols, getattr(w, "group", 0))
+        return ops.Ref.from_array(w.data, w.code, rows, cols, w.group)
     return ops.Ref.in_buffer(arena, plan.offsets[t], ops.dtype(spec.dtype), _rows(rows), cols, spec.group)
 
 

@@ -74,7 +74,7 @@ def build_graph(cfg: ModelConfig, weights: dict, max_pos: int) -> Graph:
         kr = act(f"{p}.rope_k.out", "T", KVH * hd)
         for name, src, dst, heads, wn in (("rope_q", q, qr, H, "attn_q"), ("rope_k", k, kr, KVH, "attn_k")):
             g.add(f"{p}.{name}", "rope", {"x": src, "cos": cos.name, "sin": sin.name}, {"out": dst},
-                  heads=heads, head_dim=hd, interleaved=bool(getattr(weights[f"{p}.{wn}"], "rope_interleaved", False)))
+                  heads=heads, head_dim=hd, interleaved=weights[f"{p}.{wn}"].rope_interleaved)
         kv = g.tensor(f"{p}.kv", (), kind="state")  # orders the cache write before attention
         g.add(f"{p}.kv_write", "kv_write", {"k": kr, "v": v}, {"kv": kv}, layer=i, kv_heads=KVH, head_dim=hd)
         a = act(f"{p}.attn.out", "T", H * hd)
