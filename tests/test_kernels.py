@@ -716,7 +716,7 @@ def test_rope_tables_too_small():
 
 def attention_scratch(group, hd, bs, max_blocks):
     """A per-thread scratch hint for attention ops (the executor grows scratch
-    to what each op needs at add_op anyway): K^T / V tiles of one block and
+    to what each op needs when it is added anyway): K^T / V tiles of one block and
     the output rows of a 16-token run."""
     return 2 * bs * hd + 16 * group * (hd + 2) + 4 * bs + 2 * hd + 64
 

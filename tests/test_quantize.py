@@ -1,4 +1,4 @@
-"""`llamajet quantize` and the saved format (quant/saved.py, loaders/llamajet.py).
+"""`llamajet quantize` and the saved format (quant/quantize.py, formats/saved.py).
 
 References nobody here wrote: the `safetensors` package reads the saved file,
 the `gguf` package dequantizes the source blocks, HF `tokenizers` encodes,

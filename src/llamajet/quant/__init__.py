@@ -1,1 +1,3 @@
-"""Quantization: named weight formats, packing, and (later) PTQ/QAT methods."""
+"""Quantization above the model: the `llamajet quantize` command (quantize.py)
+and, later, the PTQ / QAT algorithms. Weight formats, packing and the saved
+format are the formats layer's (formats/)."""
