@@ -341,3 +341,19 @@ TestBlockManagerMachine = BlockManagerMachine.TestCase
 # 300 runs of up to 50 steps: ~10 s here.
 TestBlockManagerMachine.settings = settings(max_examples=300, stateful_step_count=50, deadline=None, database=None,
                                             suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_kv_slot_is_one_formula_for_ints_and_arrays():
+    """kv_slot (the one place Python writes the slot layout the C++ core reads):
+    block = table[p // bs], slot = block * bs + p % bs, for one position and
+    for many, and BlockManager.slot is it."""
+    import numpy as np
+
+    from llamajet.engine.block_manager import BlockManager, kv_slot
+
+    table, bs = [7, 2, 9], 4
+    pos = np.arange(12)
+    want = [7 * 4 + 0, 29, 30, 31, 8, 9, 10, 11, 36, 37, 38, 39]
+    assert kv_slot(table, pos, bs).tolist() == want
+    assert [kv_slot(table, int(p), bs) for p in pos] == want
+    assert [BlockManager(16, bs).slot(table, int(p)) for p in pos] == want

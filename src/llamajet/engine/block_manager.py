@@ -45,8 +45,21 @@ from array import array
 from collections import OrderedDict
 from typing import Iterable
 
+import numpy as np
+
 from llamajet.errors import RequestError
 
+
+
+def kv_slot(table, pos, block_size: int):
+    """The KV slot of the token at position `pos` (an int, or an int array of
+    positions) of a sequence with block table `table`: block table[pos //
+    block_size], offset pos % block_size, slot = block * block_size + offset,
+    the layout of the C++ core's StepCtx.slots (csrc/common.h). The one place
+    Python writes it."""
+    if isinstance(pos, int):
+        return table[pos // block_size] * block_size + pos % block_size
+    return np.asarray(table)[pos // block_size] * block_size + pos % block_size
 
 class Block:
     __slots__ = ("id", "ref_count", "hash")
@@ -104,7 +117,7 @@ class BlockManager:
 
     def slot(self, table: list[int], pos: int) -> int:
         """KV slot of the token at position `pos` of a sequence with block table `table`."""
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+        return kv_slot(table, pos, self.block_size)
 
     # ------------------------------------------------------------ prefix cache
 

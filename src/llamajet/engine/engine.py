@@ -24,7 +24,7 @@ from typing import Iterator
 
 import numpy as np
 
-from llamajet.engine.block_manager import BlockManager
+from llamajet.engine.block_manager import BlockManager, kv_slot
 from llamajet.engine.runner import ModelRunner, StepBatch
 from llamajet.engine.sampling import SamplingParams
 from llamajet.engine.scheduler import Scheduler
@@ -263,7 +263,7 @@ class Engine:
             for s in range(0, len(ids), step):
                 n = min(step, len(ids) - s)
                 pos = np.arange(s, s + n, dtype=np.int32)
-                slots = (table[pos // bs] * bs + pos % bs).astype(np.int32)
+                slots = kv_slot(table, pos, bs).astype(np.int32)
                 batch = StepBatch(np.asarray(ids[s : s + n], dtype=np.int32), pos, slots,
                                   np.zeros(n, dtype=np.int32), bt, self._all_rows[:n])
                 out[s : s + n] = self.runner.execute(batch)

@@ -26,6 +26,7 @@ import numpy as np
 
 from llamajet import ops
 from llamajet.config import RuntimeConfig
+from llamajet.engine.block_manager import kv_slot
 from llamajet.formats.convert import prepare_weights
 from llamajet.graph.ir import Graph
 from llamajet.graph.lower import KVLayout, lower
@@ -170,13 +171,13 @@ class ModelRunner:
             if n == 1:  # decode: plain Python is faster than numpy for one token
                 tokens.append(s.seq.token_ids[start])
                 positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
+                slots.append(kv_slot(table, start, bs))
                 seq_of.append(i)
             else:
                 pos = np.arange(start, start + n)
                 tokens.extend(s.seq.token_ids[start : start + n])
                 positions.extend(pos.tolist())
-                slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
+                slots.extend(kv_slot(table, pos, bs).tolist())
                 seq_of.extend([i] * n)
             if s.logits:
                 out_rows.append(len(tokens) - 1)

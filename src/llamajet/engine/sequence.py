@@ -55,7 +55,7 @@ class Sequence:
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
         # KV state.
         # NOTE: tokens [0, num_computed) have their K/V in the blocks of
-        # block_table (slot of position p: table[p // bs] * bs + p % bs).
+        # block_table (the slot of position p: block_manager.kv_slot).
         self.block_table: list[int] = []
         self.num_computed = 0
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks of token_ids (lazily extended)
