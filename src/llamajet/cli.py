@@ -141,8 +141,6 @@ def cmd_bench(a) -> int:
 
 def cmd_graph(a) -> int:
     """The step graph as ModelRunner builds it (engine/runner.py compile_graph), planned for one phase."""
-    import dataclasses
-
     from llamajet import ops
     from llamajet.engine.runner import compile_graph
     from llamajet.graph.dot import to_dot
@@ -161,10 +159,11 @@ def cmd_graph(a) -> int:
     style = dict(act_int8=cfg.act_int8, kv_dtype=cfg.kv_dtype)
     print(f"llamajet graph: {path}, phase {a.phase} (T={symbols['T']}, O={symbols['O']}), isa {isa}, "
           f"kernels {cfg.kernels}")
-    if cfg.fuse:  # the graph before the passes in one line, the listing after them
-        unfused = compile_graph(model, dataclasses.replace(cfg, fuse=False)).graph
-        print(f"before passes: {summary(unfused, plan_memory(unfused, symbols))}")
-    compiled = compile_graph(model, cfg)
+    def before(g):  # the graph before the passes in one line, the listing after them
+        if cfg.fuse:
+            print(f"before passes: {summary(g, plan_memory(g, symbols))}")
+
+    compiled = compile_graph(model, cfg, before)
     graph, log = compiled.graph, compiled.fusion_log
     if cfg.fuse:
         print("passes:" + "".join(f"\n  {line}" for line in log) if log else "passes: no rewrites")

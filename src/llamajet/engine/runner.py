@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -55,21 +56,25 @@ class CompiledGraph:
     fusion_log: list[str]   # what the passes rewrote
 
 
-def compile_graph(model: LoadedModel, cfg: RuntimeConfig) -> CompiledGraph:
+def compile_graph(model: LoadedModel, cfg: RuntimeConfig,
+                  before_passes: Callable[[Graph], None] | None = None) -> CompiledGraph:
     """Weights as the kernels want them (formats/convert.py: GGUF blocks
     repacked, or RTN to cfg.quantize, on cfg's threads and tier), the
     architecture's graph (model/registry.py), and the fusion passes (fused
-    weights stacked once, here; the parts no node reads are dropped)."""
+    weights stacked once, here; the parts no node reads are dropped).
+    `before_passes` sees the graph as built (e.g. `llamajet graph`'s summary)."""
     weights = prepare_weights(model.weights, repack=cfg.repack, scheme=cfg.quantize, isa=cfg.isa,
                               n_threads=cfg.n_threads)
     graph = registry.get(model.config.architecture).build(model.config, weights, cfg.max_model_len)
+    if before_passes is not None:
+        before_passes(graph)
     log = fuse_graph(graph, FusionContext(act_int8=cfg.act_int8)) if cfg.fuse else []
     return CompiledGraph(graph, log)
 
 
 class ModelRunner:
     def __init__(self, model: LoadedModel, cfg: RuntimeConfig) -> None:
-        cfg = cfg.for_model(model.config) if cfg.max_model_len is None else cfg
+        cfg = cfg.for_model(model.config)  # max_model_len resolved, and within the model's limit
         self.model = model
         self.runtime = cfg
         self.config = model.config

@@ -154,9 +154,10 @@ def _tensor(name: str, info, entry: st.Entry, buf: mmap.mmap, kind: Kind, source
     return Weight(name, kind, fmt, shape, st.view(entry, buf, fmt.np_dtype, want), inter)
 
 
-def read(folder: str | Path, kind_of: Callable[[str], Kind]) -> tuple[ModelConfig, dict[str, Weight], mmap.mmap]:
+def read(folder: str | Path, kind_of: Callable[[ModelConfig, str], Kind]
+         ) -> tuple[ModelConfig, dict[str, Weight], mmap.mmap]:
     """(config, weights, the file's map) of a saved folder; each weight a view of
-    the map, its kind from `kind_of(name)` (the architecture's tensor spec)."""
+    the map, its kind from `kind_of(config, name)` (the architecture's tensor spec)."""
     folder = Path(folder)
     meta = read_meta(folder)
     source = str(folder)
@@ -170,7 +171,7 @@ def read(folder: str | Path, kind_of: Callable[[str], Kind]) -> tuple[ModelConfi
     for name, info in meta["tensors"].items():
         if name not in entries:
             raise ModelFormatError(f"{path}: tensor {name!r} listed in {META_FILE} is missing")
-        weights[name] = _tensor(name, info, entries[name], buf, kind_of(name), source)
+        weights[name] = _tensor(name, info, entries[name], buf, kind_of(config, name), source)
     extra = sorted(n for n in entries if n not in weights and not n.startswith(PAD_PREFIX))
     if extra:
         raise ModelFormatError(f"{path}: tensors {extra[:5]} are not listed in {META_FILE}")

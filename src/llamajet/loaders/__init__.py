@@ -25,17 +25,16 @@ from llamajet.model import registry
 def load_saved(folder: str | Path) -> LoadedModel:
     """A folder written by ``llamajet quantize`` (formats/saved.py); weights are views of the mapped file."""
     folder = Path(folder)
-    cfg = saved.read_meta(folder).get("config")
-    spec = registry.get(cfg.get("architecture", "llama") if isinstance(cfg, dict) else "llama")
 
-    def kind_of(name: str):
+    def kind_of(config, name: str):
+        spec = registry.get(config.architecture)
         rule = spec.rule(name)
         if rule is None:
             raise ModelFormatError(f"{folder}: tensor {name!r} is not part of a {spec.name} model")
         return rule.kind
 
     config, weights, buf = saved.read(folder, kind_of)
-    config = check_weights(config, spec, weights, str(folder), "canonical")
+    config = check_weights(config, registry.get(config.architecture), weights, str(folder), "canonical")
     return LoadedModel(config=config, weights=weights, source=str(folder), gguf_reader=None, keepalive=[buf])
 
 
