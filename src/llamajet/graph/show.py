@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from llamajet.formats.weight import Kind
 from llamajet.graph.ir import Graph, Node
 from llamajet.graph.planner import MemoryPlan
 
@@ -44,10 +45,10 @@ def kernel_name(graph: Graph, node: Node, isa: str, *, act_int8: bool = True, kv
         what = [f"kv {kv_dtype}"]  # the pool's storage type, not a weight's
     else:
         what = []
-        for f, t in node.inputs.items():
+        for t in node.reads():
             w = graph.weights.get(t) if graph.tensors[t].kind == "weight" else None
-            if w is None or f in ("cos", "sin"):
-                continue  # activations and the RoPE tables are f32
+            if w is None or w.kind is Kind.TABLE:
+                continue  # activations and builder tables (RoPE) are f32
             s = storage_name(w)
             if w.group and node.op != "embed":
                 s += " a8" if act_int8 else " a16"
