@@ -18,6 +18,7 @@
 #include "runtime/cpu_features.h"
 #include "runtime/executor.h"
 #include "runtime/membench.h"
+#include "runtime/repack.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -33,6 +34,8 @@ void check_packed_args(const char* fn, int kind, int64_t g, int64_t n, int64_t k
   if (!lj::is_packed(kind)) throw std::invalid_argument(f + ": unknown packed kind");
   if (g < 8 || g > 1024 || g % 8) throw std::invalid_argument(f + ": group must be a multiple of 8 in 8..1024");
   if (n < 1 || k < 1) throw std::invalid_argument(f + ": empty matrix");
+  const int64_t fg = lj::packed_fixed_group(kind);
+  if (fg && g != fg) throw std::invalid_argument(f + ": this kind is made for groups of " + std::to_string(fg));
 }
 
 // Runs fn(tile_begin, tile_end) on n_threads threads, contiguous tile ranges,
@@ -66,7 +69,9 @@ NB_MODULE(_core, m) {
       .value("F32", lj::F32).value("F16", lj::F16).value("BF16", lj::BF16)
       .value("Q8_0", lj::Q8_0).value("Q4_0", lj::Q4_0).value("Q4_1", lj::Q4_1)
       .value("PK_I4S", lj::PK_I4S).value("PK_I4A", lj::PK_I4A).value("PK_I8", lj::PK_I8)
-      .value("I32", lj::I32).value("Q8_ACT", lj::Q8_ACT).value("KV_I8", lj::KV_I8);
+      .value("I32", lj::I32).value("Q8_ACT", lj::Q8_ACT)
+      .value("PK_I5S", lj::PK_I5S).value("PK_I5A", lj::PK_I5A).value("PK_Q4K", lj::PK_Q4K)
+      .value("PK_Q5K", lj::PK_Q5K).value("PK_Q6K", lj::PK_Q6K).value("KV_I8", lj::KV_I8);
 #define LJ_KIND_VALUE(KIND, name, P, FIELDS, kernel) .value(#name, lj::KIND)
   nb::enum_<lj::OpKind>(m, "OpKind", nb::is_arithmetic(), "Op kinds, by the graph's op names (kernels/ops.h)") LJ_OPS(LJ_KIND_VALUE);
 #undef LJ_KIND_VALUE
@@ -94,7 +99,19 @@ NB_MODULE(_core, m) {
   m.def("packed_block_bytes", [](lj::DType t, int64_t g) {
           if (!lj::is_packed(t) || g <= 0) throw std::invalid_argument("packed_block_bytes: a packed type and group > 0");
           return lj::packed_block_bytes(t, g);
-        }, "dtype"_a, "group"_a, "Bytes of one (16-row tile, group) block of a packed type.");
+        }, "dtype"_a, "group"_a, "Bytes of one (16-row tile, super-block) block of a packed type (S groups).");
+  m.def("packed_super", [](lj::DType t) {
+          if (!lj::is_packed(t)) throw std::invalid_argument("packed_super: a packed type");
+          return lj::packed_super(t);
+        }, "dtype"_a, "Groups per super-block of a packed type (1, or the K-quants' 8 / 16).");
+  m.def("packed_fixed_group", [](lj::DType t) {
+          if (!lj::is_packed(t)) throw std::invalid_argument("packed_fixed_group: a packed type");
+          return lj::packed_fixed_group(t);
+        }, "dtype"_a, "The group length a packed type is made for; 0 = any multiple of 8.");
+  m.def("packed_code_bits", [](lj::DType t) {
+          if (!lj::is_packed(t)) throw std::invalid_argument("packed_code_bits: a packed type");
+          return lj::packed_code_bits(t);
+        }, "dtype"_a, "Bits per code of a packed type (4, 5, 6 or 8).");
   m.def("kv_row_bytes", [](lj::DType t, int64_t kv_heads, int64_t hd) {
           if (!lj::is_kv_dtype(t) || kv_heads <= 0 || hd <= 0) throw std::invalid_argument("kv_row_bytes: bad arguments");
           return lj::kv_row_bytes(t, kv_heads, hd);
@@ -125,6 +142,8 @@ NB_MODULE(_core, m) {
            nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> w, int n_threads) {
           const int64_t n = w.shape(0), k = w.shape(1);
           check_packed_args("quantize_packed", kind, g, n, k);
+          if (kind != lj::PK_I4S && kind != lj::PK_I4A && kind != lj::PK_I8)
+            throw std::invalid_argument("quantize_packed: RTN writes pk_i4s, pk_i4a or pk_i8 (the GGUF twins are repacked)");
           const lj::KernelTable* kt = lj::kernel_table(isa);
           const int64_t tiles = (n + lj::TILE - 1) / lj::TILE, ng = (k + g - 1) / g;
           const int64_t bb = lj::packed_block_bytes(kind, g);
@@ -152,6 +171,30 @@ NB_MODULE(_core, m) {
           return nb::ndarray<nb::numpy, float, nb::ndim<2>>(out, 2, shape, owner);
         },
         "isa"_a, "kind"_a, "group"_a, "n"_a, "k"_a, "packed"_a, "n_threads"_a = 1);
+
+  // GGUF blocks -> packed twin tiles, threaded, from the file's memory into dst.
+  m.def("repack_gguf",
+        [](const std::string& type, nb::ndarray<const uint8_t, nb::c_contig, nb::device::cpu> src, int64_t n,
+           int64_t k, nb::ndarray<uint8_t, nb::c_contig, nb::device::cpu> dst, int64_t dst_offset,
+           int64_t tile_stride, int n_threads) {
+          int64_t qk = 0, bb = 0;
+          const int32_t kind = lj::gguf_twin(type, &qk, &bb);
+          const int64_t fg = lj::packed_fixed_group(kind), G = fg ? fg : 32;
+          if (n < 1 || k < 1 || k % qk || k % (G * lj::packed_super(kind)))
+            throw std::invalid_argument("repack_gguf: rows of " + std::to_string(k) + " are not whole " + type + " blocks");
+          if ((int64_t)src.nbytes() != n * (k / qk) * bb)
+            throw std::invalid_argument("repack_gguf: source size does not match type and shape");
+          const int64_t tb = lj::packed_tile_bytes(kind, k, G), tiles = (n + lj::TILE - 1) / lj::TILE;
+          if (tile_stride <= 0) tile_stride = tb;  // consecutive tiles
+          if (dst_offset < 0 || tile_stride < tb ||
+              (__int128)dst_offset + (__int128)(tiles - 1) * tile_stride + tb > (__int128)dst.nbytes())
+            throw std::invalid_argument("repack_gguf: destination too small for the tiles");
+          const uint8_t* s = src.data();
+          uint8_t* d = dst.data() + dst_offset;
+          for_tiles(n_threads, tiles, [&](int64_t b, int64_t e) { lj::repack_gguf_tiles(type, s, n, k, d, tile_stride, b, e); });
+        },
+        "type"_a, "src"_a, "n"_a, "k"_a, "dst"_a, "dst_offset"_a = 0, "tile_stride"_a, "n_threads"_a = 1,
+        "Repacks a GGUF [n, k] block matrix into its packed twin's tiles at dst + dst_offset + t * tile_stride.");
 
   // ---------------------------------------------------------------- operands
   nb::class_<lj::Ref>(m, "Ref",

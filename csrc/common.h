@@ -39,6 +39,14 @@ enum DType : int32_t {
   // int8 codes [rows, kpad] padded to 64 bytes, then per group an fp32 scale
   // [rows, ng] and an int32 code sum [rows, ng].
   Q8_ACT = 10,
+  // Packed twins of more GGUF block types, same tiles (layout: formats/packed.py).
+  // Codes of 5 or 6 bits: the low 4 as in PK_I4*, the rest in a bit plane
+  // after them. K-quants: S groups share a super-block tail of scales.
+  PK_I5S = 11,  // Q5_0: groups of 32, w = d * (c - 16)                       c in 0..31
+  PK_I5A = 12,  // Q5_1: groups of 32, w = d * c + m
+  PK_Q4K = 13,  // Q4_K: 8 groups of 32 per super-block, w = (D * sc) * c - (DM * mn)  c in 0..15
+  PK_Q5K = 14,  // Q5_K: as PK_Q4K, c in 0..31
+  PK_Q6K = 15,  // Q6_K: 16 groups of 16 per super-block, w = (D * sc) * (c - 32)  c in 0..63, sc int8
   KV_I8 = 16,  // KV cache only: per (slot, kv head) fp32 scale then head_dim int8; x = scale * q
   DTYPE_MAX = 16
 };
@@ -46,7 +54,7 @@ enum DType : int32_t {
 constexpr int64_t TILE = 16;  // rows per packed tile
 constexpr int64_t QK = 32;    // elements per GGML quant block
 
-static inline bool is_packed(int32_t t) { return t == PK_I4S || t == PK_I4A || t == PK_I8; }
+static inline bool is_packed(int32_t t) { return (t >= PK_I4S && t <= PK_I8) || (t >= PK_I5S && t <= PK_Q6K); }
 static inline bool is_ggml_block(int32_t t) { return t == Q8_0 || t == Q4_0 || t == Q4_1; }
 static inline bool is_kv_dtype(int32_t t) { return t == F32 || t == F16 || t == BF16 || t == KV_I8; }
 // Types a weight (matmul / embedding table) may be stored in.
@@ -55,15 +63,44 @@ static inline bool is_weight_dtype(int32_t t) { return t == F32 || t == F16 || t
 // Bytes of one GGML block of 32 elements (0: not a block type).
 static inline int64_t ggml_block_bytes(int32_t t) { return t == Q8_0 ? 34 : t == Q4_0 ? 18 : t == Q4_1 ? 20 : 0; }
 
-// Bytes of one (tile, group) block of a packed format with group length g.
+// Packed formats. A (tile, super-block) block holds S groups' codes, then a
+// tail of scales: S = 1 (a tail per group) except for the K-quants.
+//   codes of a group, 16 rows x g: b = 4: g/8 chunks of 64 bytes (nibbles);
+//   b = 5, 6: the same, then the high bits in g/32 (b = 5) or g/16 (b = 6)
+//   64-byte planes; b = 8: g/4 chunks of 64 signed bytes.
+//   tail: d[16] fp16 (and m[16] fp16: PK_I4A, PK_I5A);
+//     PK_Q4K, PK_Q5K: D[16], DM[16] fp16, sc[8][16] u8, mn[8][16] u8;
+//     PK_Q6K: D[16] fp16, sc[16][16] int8.
+static inline int packed_code_bits(int32_t t) {
+  return t == PK_I8 ? 8 : (t == PK_I5S || t == PK_I5A || t == PK_Q5K) ? 5 : t == PK_Q6K ? 6 : 4;
+}
+static inline int64_t packed_super(int32_t t) { return t == PK_Q4K || t == PK_Q5K ? 8 : t == PK_Q6K ? 16 : 1; }
+// The group length a kind is made for (the GGUF block's), 0 = any multiple of 8.
+static inline int64_t packed_fixed_group(int32_t t) { return t == PK_Q6K ? 16 : t >= PK_I5S && t <= PK_Q5K ? 32 : 0; }
+static inline int64_t packed_group_code_bytes(int32_t t, int64_t g) { return TILE * g * packed_code_bits(t) / 8; }
+static inline int64_t packed_tail_bytes(int32_t t) {
+  switch (t) {
+    case PK_I4A: case PK_I5A: return 4 * TILE;
+    case PK_Q4K: case PK_Q5K: return 4 * TILE + 2 * 8 * TILE;
+    case PK_Q6K: return 2 * TILE + 16 * TILE;
+    default: return 2 * TILE;
+  }
+}
+
+// Bytes of one (tile, super-block) block of a packed format with group length g.
 static inline int64_t packed_block_bytes(int32_t t, int64_t g) {
-  return (t == PK_I8 ? TILE * g : TILE * g / 2) + 2 * TILE * (t == PK_I4A ? 2 : 1);
+  return packed_super(t) * packed_group_code_bytes(t, g) + packed_tail_bytes(t);
+}
+
+// Bytes of one 16-row tile of a packed matrix with rows of k elements.
+static inline int64_t packed_tile_bytes(int32_t t, int64_t k, int64_t g) {
+  const int64_t groups = (k + g - 1) / g, s = packed_super(t);
+  return (groups + s - 1) / s * packed_block_bytes(t, g);
 }
 
 // Bytes of a packed [n, k] matrix with group g (n, k padded up).
 static inline int64_t packed_bytes(int32_t t, int64_t n, int64_t k, int64_t g) {
-  const int64_t tiles = (n + TILE - 1) / TILE, groups = (k + g - 1) / g;
-  return tiles * groups * packed_block_bytes(t, g);
+  return (n + TILE - 1) / TILE * packed_tile_bytes(t, k, g);
 }
 
 // Bytes used by one row of k elements of a row-major type t (block types need
@@ -127,8 +164,9 @@ static inline int64_t tensor_bytes(int32_t t, int64_t rows, int64_t cols, int64_
   using I = __int128;
   I n;
   if (is_packed(t)) {
-    if (group == 0) return -1;
-    n = (I)((rows + TILE - 1) / TILE) * ((cols + group - 1) / group) * packed_block_bytes(t, group);
+    if (group == 0 || (packed_fixed_group(t) && group != packed_fixed_group(t))) return -1;
+    const I s = packed_super(t), ng = (cols + group - 1) / group;
+    n = (I)((rows + TILE - 1) / TILE) * ((ng + s - 1) / s) * packed_block_bytes(t, group);
   } else if (t == Q8_ACT) {
     if (group == 0) return -1;
     const I ng = (cols + group - 1) / group;

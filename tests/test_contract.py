@@ -11,6 +11,8 @@ import gguf
 import numpy as np
 import pytest
 
+from llamajet.errors import LlamajetError
+
 from llamajet import _core, ops
 from llamajet.config import KV_CACHE_DTYPES, RuntimeConfig
 from llamajet.formats.layout import BLOCKS, FLOATS
@@ -34,17 +36,24 @@ def test_storage_type_names_resolve_to_their_codes():
     with pytest.raises(ValueError, match="unknown storage type"):
         ops.dtype("q4_k")
     for name, fmt in {**FLOATS, **BLOCKS}.items():
-        assert fmt.code == ops.dtype(name)
+        if getattr(fmt, "native", True):
+            assert fmt.code == ops.dtype(name)
+        else:  # a GGUF block type the core only reads as its packed twin
+            with pytest.raises(LlamajetError, match="repacked at load"):
+                fmt.code
     kinds = {(4, True): ops.DType.PK_I4S, (4, False): ops.DType.PK_I4A, (8, True): ops.DType.PK_I8}
     for s in schemes():
-        assert s.code == kinds[(s.bits, s.symmetric)] and s.kind == s.code.name.lower()
+        want = kinds[(s.bits, s.symmetric)] if s.rtn else ops.dtype(s.storage)
+        assert s.code == want and s.kind == s.code.name.lower()
+        assert ops.packed_code_bits(s.code) == s.bits
 
 
 def test_ggml_block_sizes_equal_the_gguf_packages():
-    for name, fmt in BLOCKS.items():
-        elements, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name.upper()]]
-        assert (elements, nbytes) == (ops.QK, fmt.block_bytes), name
-    assert ops.GGML_BLOCK_TYPES == {fmt.code for fmt in BLOCKS.values()}
+    for name, fmt in BLOCKS.items():  # the core's sizes (the others' come from gguf itself)
+        if fmt.native:
+            elements, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name.upper()]]
+            assert (elements, nbytes) == (ops.QK, fmt.block_bytes), name
+    assert ops.GGML_BLOCK_TYPES == {fmt.code for fmt in BLOCKS.values() if fmt.native}
 
 
 def test_size_rules_are_the_cores():

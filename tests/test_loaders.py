@@ -329,7 +329,8 @@ def test_stories_hf_and_gguf_agree():
 GGUF_TYPES = {"token_embd": Q.Q8_0, "output": Q.Q4_0, "output_norm": Q.F32, "attn_norm": Q.F32,
               "attn_q": Q.Q4_1, "attn_k": Q.Q8_0, "attn_v": Q.F16, "attn_output": Q.BF16,
               "ffn_norm": Q.F32, "ffn_gate": Q.Q5_0, "ffn_up": Q.F32, "ffn_down": Q.Q4_0}
-KEPT_RAW = {Q.F32: "f32", Q.F16: "f16", Q.BF16: "bf16", Q.Q8_0: "q8_0", Q.Q4_0: "q4_0", Q.Q4_1: "q4_1"}
+KEPT_RAW = {Q.F32: "f32", Q.F16: "f16", Q.BF16: "bf16", Q.Q8_0: "q8_0", Q.Q4_0: "q4_0", Q.Q4_1: "q4_1",
+            Q.Q5_0: "q5_0", Q.Q5_1: "q5_1", Q.Q4_K: "q4_k", Q.Q5_K: "q5_k", Q.Q6_K: "q6_k"}
 # How far a stored weight may sit from the HF one, relative to the tensor's max |w|.
 # RTN moves a weight at most half a step of its block's scale: q8_0 amax/254,
 # q4_0 amax/16, q4_1 (max-min)/30 <= amax/15, q5_0 amax/32. We allow a whole step,
@@ -351,8 +352,8 @@ def tiny_gguf(tmp_path_factory, tiny_model):
             w = interleave(w, heads_of(name, config))
         tensors[name] = (w, GGUF_TYPES[name.rsplit(".", 1)[-1]])
     tensors["rope_freqs"] = (llama3_rope_factors(config), Q.F32)
-    # A K-quant, which no kernel reads, is dequantized at load. gguf cannot quantize
-    # Q4_K, so write random blocks with sane fp16 d and dmin: [64 rows, 256/256 x 144 B].
+    # A K-quant, kept as the file's bytes (repacked by prepare_weights). gguf cannot
+    # quantize Q4_K, so write random blocks with sane fp16 d and dmin: [64 rows, 256/256 x 144 B].
     rng = np.random.default_rng(0)
     q4k = rng.integers(0, 256, size=(64, 144), dtype=np.uint8)
     q4k[:, 0:4] = np.array([0.01, 0.005], dtype=np.float16).view(np.uint8)
@@ -379,13 +380,11 @@ def test_gguf_formats_from_transformers_model(tiny_gguf):
         src, qtype = tensors[name]
         assert w.shape == tuple(sd[canonical_to_hf(name)].shape), name
         assert w.rope_interleaved == name.endswith(("attn_q", "attn_k")), name
-        if name == "blk.1.ffn_down":  # Q4_K: dequantized at load, a copy
-            assert w.dtype == "f32" and not np.shares_memory(w.data, m.gguf_reader.data)
-            assert np.array_equal(w.data, gguf.quants.dequantize(src, Q.Q4_K))
-            continue
-        if qtype not in KEPT_RAW:  # Q5_0: dequantized at load, exactly as gguf does
-            assert w.dtype == "f32" and not np.shares_memory(w.data, m.gguf_reader.data)
-            assert np.array_equal(w.data, gguf.quants.dequantize(gguf.quants.quantize(src, qtype), qtype))
+        if name == "blk.1.ffn_down":  # Q4_K: the file's bytes, a view
+            assert w.dtype == "q4_k"
+            assert_zero_copy(m, [name])
+            assert np.array_equal(w.data, src)
+            assert np.array_equal(w.to_f32(), gguf.quants.dequantize(src, Q.Q4_K))
             continue
         assert w.dtype == KEPT_RAW[qtype], name
         assert_zero_copy(m, [name])

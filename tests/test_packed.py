@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from llamajet import ops
-from llamajet.formats.gguf_blocks import repack_gguf
+from llamajet.formats.gguf_blocks import repack_gguf, repack_gguf_reference
 from llamajet.formats.packed import (dequantize, matmul_a8_reference, pack, quantize_activations,
                                      quantize_rtn, unpack)
 from llamajet.formats.schemes import schemes
@@ -17,7 +17,7 @@ TILE_ROWS = ops.TILE
 
 gguf = pytest.importorskip("gguf")
 
-SCHEMES = schemes()
+SCHEMES = [s for s in schemes() if s.rtn]  # RTN targets; the GGUF twins are tested below
 ISAS = ops.supported_isas()
 
 
@@ -318,3 +318,141 @@ def test_matmul_a8_rows_do_not_depend_on_batch_or_path(isa, scheme):
         np.testing.assert_array_equal(got, alone)
         if isa != WIDE[0]:
             np.testing.assert_array_equal(got, _run_matmul(WIDE[0], 2, x, pw, a16=False, bias=b))
+
+
+# ---------------------------------------------------------------- GGUF twins
+
+GGUF_TYPES = ["q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"]
+_FP16_FIELDS = {"q4_0": [0], "q4_1": [0, 2], "q8_0": [0], "q5_0": [0], "q5_1": [0, 2], "q4_k": [0, 2],
+                "q5_k": [0, 2], "q6_k": [208]}  # byte offsets of each block's fp16 scales
+
+
+def gguf_blocks(name, n, k, seed=0):
+    """Random but valid GGUF blocks [n, row bytes]: every code and 6-bit scale
+    pattern (random bytes), fp16 scales of either sign in [1e-3, 1)."""
+    rng = np.random.default_rng(seed)
+    qt = gguf.GGMLQuantizationType[name.upper()]
+    qk, bb = gguf.GGML_QUANT_SIZES[qt]
+    b = rng.integers(0, 256, (n, k // qk, bb), dtype=np.uint8)
+    for o in _FP16_FIELDS[name]:
+        v = (rng.uniform(1e-3, 1, (n, k // qk)) * rng.choice([-1, 1], (n, k // qk))).astype(np.float16)
+        b[..., o : o + 2] = v.view(np.uint8).reshape(n, k // qk, 2)
+    return b.reshape(n, -1), qt
+
+
+def _twin(name, n, k, seed=0):
+    raw, qt = gguf_blocks(name, n, k, seed)
+    return repack_gguf(Weight("w", Kind.MATRIX, name, (n, k), raw)), raw, qt
+
+
+@pytest.mark.parametrize("name", GGUF_TYPES)
+def test_gguf_twins_dequantize_as_gguf_bit_for_bit(name):
+    """The packed twin holds exactly the file's values: numpy and C++ (every
+    tier) dequantization equal gguf.quants.dequantize bit for bit, on ragged
+    row counts (a padded last tile) and several blocks per row."""
+    for n, k in ((37, 512), (16, 256), (5, 768)):
+        pw, raw, qt = _twin(name, n, k, seed=n + k)
+        ref = gguf.quants.dequantize(raw, qt).reshape(n, k).astype(np.float32)
+        np.testing.assert_array_equal(pw.to_f32().view(np.uint32), ref.view(np.uint32))
+        for isa in ISAS:
+            got = ops.dequantize_packed(pw.code, pw.group, (n, k), pw.data, isa=isa, n_threads=2)
+            np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
+
+
+@pytest.mark.parametrize("name", GGUF_TYPES)
+def test_cpp_repack_equals_the_numpy_specification(name):
+    """The C++ repack (threaded, from the file's bytes) writes the bytes the
+    numpy decode + pack_parts specification does, also into a strided
+    destination (the tiles of a stacked / interleaved matrix)."""
+    for n, k in ((37, 512), (16, 256), (5, 768)):
+        raw, _ = gguf_blocks(name, n, k, seed=7)
+        w = Weight("w", Kind.MATRIX, name, (n, k), raw)
+        ref = repack_gguf_reference(w)
+        for nth in (1, 2):
+            assert repack_gguf(w, n_threads=nth).data.tobytes() == ref.data.tobytes()
+        tb = ref.data[0].nbytes
+        out = np.full((2 * ref.data.shape[0], *ref.data.shape[1:]), 0xAB, np.uint8)
+        repack_gguf(w, out=out, offset=tb, tile_stride=2 * tb)  # every other tile, from the second
+        assert out[1::2].tobytes() == ref.data.tobytes() and (out[0::2] == 0xAB).all()
+    with pytest.raises(ValueError, match="too small"):
+        ops.repack_gguf(name, raw, (5, 768), np.zeros(10, np.uint8))
+    with pytest.raises(ValueError, match="source size"):
+        ops.repack_gguf(name, raw[:4], (5, 768), np.zeros(10**6, np.uint8))
+
+
+@pytest.mark.parametrize("name", GGUF_TYPES)
+def test_gguf_twins_stay_compact(name):
+    """Bytes the kernels read per weight, against the file's: within 3% (Q4_K's
+    6-bit scales are bytes here: +2.8%; Q5_K +2.3%; the others are equal)."""
+    pw, raw, _ = _twin(name, 64, 1024)
+    ratio = pw.data.nbytes / raw.nbytes
+    assert 1.0 <= ratio <= 1.03, ratio
+    if name in ("q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q6_k"):
+        assert ratio == 1.0
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("name", GGUF_TYPES[3:])
+@pytest.mark.parametrize("M", [1, 7, 19])
+def test_gguf_twins_matmul_a8_matches_reference(isa, name, M):
+    n, k = 37, 512
+    pw, _, _ = _twin(name, n, k, seed=M)
+    x = (np.random.default_rng(M).normal(size=(M, k)) * 3).astype(np.float32)
+    ref = matmul_a8_reference(x, pw)
+    deq = dequantize(pw)
+    ng = k // pw.group
+    bound = (3 * ng + 2) * 2.0**-24 * (np.abs(x) @ np.abs(deq).T) * 4 + 1e-30  # as test_matmul_a8_matches_reference
+    for nth in (1, 2):
+        got = _run_matmul(isa, nth, x, pw, a16=False)
+        assert np.all(np.abs(got - ref) <= bound), np.abs(got - ref).max()
+    # and the result is the float product up to the activations' int8 rounding
+    exact = x.astype(np.float64) @ deq.T
+    assert np.abs(got - exact).max() <= 0.02 * np.abs(exact).max()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("name", GGUF_TYPES[3:])
+def test_gguf_twins_matmul_a16_and_embedding(isa, name):
+    n, k = 37, 512
+    pw, _, _ = _twin(name, n, k, seed=3)
+    deq = dequantize(pw)
+    x = np.random.default_rng(4).normal(size=(5, k)).astype(np.float32)
+    ref = x.astype(np.float64) @ deq.T
+    bound = 2 * (k + 3) * 2.0**-24 * (np.abs(x) @ np.abs(deq).T)
+    got = _run_matmul(isa, 2, x, pw, a16=True)
+    assert np.all(np.abs(got - ref) <= bound)
+    tokens = np.array([0, 36, 17, 16, 15, 3], np.int32)
+    ex = _exe(isa, 2, len(tokens))
+    ob = ex.alloc_buffer(4 * len(tokens) * k)
+    p = ops.OPS["embed"]()
+    p.table = ops.Ref.from_array(pw.data, pw.code, n, k, pw.group)
+    p.out = ops.Ref.in_buffer(ob, 0, ops.DType.F32, ops.ROWS_TOKENS, k)
+    ex.add(p)
+    z = np.zeros(len(tokens), np.int32)
+    ex.run(tokens, z, z, z, np.zeros((1, 1), np.int32), np.zeros(0, np.int32))
+    got = ex.buffer(ob).view(np.float32).reshape(len(tokens), k)
+    np.testing.assert_array_equal(got, deq[tokens].astype(np.float32))  # the same fp32 operations
+
+
+@pytest.mark.skipif(not WIDE, reason="no AVX-512 tier on this CPU")
+@pytest.mark.parametrize("isa", WIDE)
+@pytest.mark.parametrize("name", GGUF_TYPES[3:])
+def test_gguf_twins_rows_do_not_depend_on_batch(isa, name):
+    pw, _, _ = _twin(name, 48, 1536, seed=9)
+    x = (np.random.default_rng(9).normal(size=(35, 1536)) * 3).astype(np.float32)
+    got = _run_matmul(isa, 2, x, pw, a16=False)
+    alone = np.stack([_run_matmul(isa, 1, x[m : m + 1], pw, a16=False)[0] for m in range(len(x))])
+    np.testing.assert_array_equal(got, alone)
+
+
+def test_gguf_twin_refusals():
+    pw, _, _ = _twin("q6_k", 16, 256)
+    with pytest.raises(ValueError, match="groups of 16"):  # a K-quant's group is its own
+        ops.dequantize_packed(pw.code, 32, (16, 256), pw.data)
+    with pytest.raises(ValueError, match="RTN"):  # no RTN quantizer writes the twins
+        ops.quantize_packed("pk_q4k", 32, np.ones((16, 256), np.float32))
+    from llamajet.errors import LlamajetError
+    from llamajet.formats.schemes import rtn_scheme
+
+    with pytest.raises(LlamajetError, match="no quantization target"):
+        rtn_scheme("gguf_q4_k")

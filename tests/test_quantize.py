@@ -110,7 +110,7 @@ def test_saved_weights_are_views_of_the_mapped_file(smol_saved, monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("a saved model must not be re-quantized at load")
     monkeypatch.setattr(convert.ops, "quantize_packed", refuse)  # the quantizer prepare_weights calls
-    monkeypatch.setattr(convert, "repack_gguf", refuse)
+    monkeypatch.setattr(convert, "deferred_twin", refuse)  # and the GGUF repack it defers
     # fuse=False: the fusion passes would stack Q/K/V and gate/up into new
     # matrices (a copy made once at load); unfused, every weight is the file's.
     llm = LLM(out, max_model_len=64, n_threads=2, fuse=False)

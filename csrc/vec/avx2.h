@@ -65,6 +65,12 @@ inline VecI isub(VecI a, int32_t b) { return {_mm256_sub_epi32(a.v, _mm256_set1_
 inline VecF cvt(VecI a) { return {_mm256_cvtepi32_ps(a.v)}; }
 inline VecF load_h(const uint16_t* p) { return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p))}; }
 inline VecF load_i8(const int8_t* p) { return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)))}; }
+inline VecF load_u8(const uint8_t* p) { return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)))}; }
+// Bit-plane helpers (see vec/scalar.h): 16-bit lane shifts, bytewise and / or.
+template <int N> inline VecI shl_bits(VecI a) { return {_mm256_slli_epi16(a.v, N)}; }
+template <int N> inline VecI shr_bits(VecI a) { return {_mm256_srli_epi16(a.v, N)}; }
+inline VecI and_bytes(VecI a, uint8_t m) { return {_mm256_and_si256(a.v, _mm256_set1_epi8((char)m))}; }
+inline VecI or_bytes(VecI a, VecI b) { return {_mm256_or_si256(a.v, b.v)}; }
 
 // ---- math
 inline VecF vmax(VecF a, VecF b) { return {_mm256_max_ps(a.v, b.v)}; }

@@ -54,6 +54,14 @@ inline VecI isub(VecI a, int32_t b) { return {a.v - b}; }
 inline VecF cvt(VecI a) { return {(float)a.v}; }
 inline VecF load_h(const uint16_t* p) { return {lj::f16_to_f32(*p)}; }
 inline VecF load_i8(const int8_t* p) { return {(float)*p}; }
+inline VecF load_u8(const uint8_t* p) { return {(float)*p}; }
+// Bit-plane helpers of the 5- and 6-bit packed kinds (matmul.inc): shifts of
+// the lane by whole bits (bits cross bytes; callers mask what they keep),
+// bytewise and / or.
+template <int N> inline VecI shl_bits(VecI a) { return {(int32_t)((uint32_t)a.v << N)}; }
+template <int N> inline VecI shr_bits(VecI a) { return {(int32_t)((uint32_t)a.v >> N)}; }
+inline VecI and_bytes(VecI a, uint8_t m) { return {(int32_t)((uint32_t)a.v & (0x01010101u * m))}; }
+inline VecI or_bytes(VecI a, VecI b) { return {a.v | b.v}; }
 
 // ---- math
 inline VecF vmax(VecF a, VecF b) { return {a.v > b.v ? a.v : b.v}; }

@@ -2,16 +2,36 @@
 key-value fields with errors that name the key (and file). Shared by the
 model config (hyper-parameters, config.py) and the tokenizer (vocabulary,
 tokenizer/gguf_vocab.py); imports nothing of llamajet but its errors.
+
+Reader (below) parses the file for all of them:
+  A GGUF reader for loading: the header parsed in one pass over the mapped
+  file, tensors as numpy views of the map.
+
+  It offers what the loader, the config and the tokenizer read of a
+  ``gguf.GGUFReader`` (``fields[key].contents()`` / ``.types`` / ``.data``,
+  ``tensors`` with name, shape, tensor_type, data, data_offset, n_bytes,
+  ``data``, ``byte_order``), without building a numpy view per string:
+  gguf-py's reader takes ~8 s for Llama-3's 128k-token vocabulary and 280k
+  merges, this one ~0.3 s. Every count and size is checked against the bytes
+  left in the file before anything is allocated, so a hostile header fails
+  with a ValueError (the loader's ModelFormatError), never a huge allocation.
+  The format: github.com/ggml-org/ggml docs/gguf.md (little-endian, v2/v3).
 """
 
 from __future__ import annotations
 
 import math
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from llamajet.errors import ModelFormatError, UnsupportedModelError
+
+# ---------------------------------------------------------------- the file
 
 
 def typed(value, key: str, kind):
@@ -102,3 +122,166 @@ def _field_value_fallback(field: Any) -> Any:
     if types[0] == gguf.GGUFValueType.STRING:
         return bytes(field.parts[-1]).decode("utf-8")
     return field.parts[-1].tolist()[0]
+
+
+# ---------------------------------------------------------------- the reader
+# GGUF metadata value types (gguf.GGUFValueType's numbers): struct and numpy codes
+_STRING, _ARRAY = 8, 9
+_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_NP = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32, 7: np.bool_,
+       10: np.uint64, 11: np.int64, 12: np.float64}
+MAX_DIMS = 4  # GGML_MAX_DIMS
+
+
+@dataclass
+class Field:
+    name: str
+    types: list                 # [value type] or [ARRAY, element type]
+    value: object               # scalar, str, or list (arrays)
+    data: range                 # one index per element (len() = the array's length), as gguf's
+
+    def contents(self):
+        return self.value
+
+
+@dataclass
+class Tensor:
+    name: str
+    shape: np.ndarray           # ne0 first, as gguf's reader
+    tensor_type: object         # gguf.GGMLQuantizationType
+    n_elements: int
+    n_bytes: int
+    data_offset: int            # from the start of the file
+    data: np.ndarray
+
+
+class Reader:
+    def __init__(self, path: str | Path):
+        import gguf  # only GGUF users pay for importing it
+
+        self._gguf = gguf
+        self.path = str(path)
+        with open(path, "rb") as f:
+            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.data = np.memmap(path, mode="r", dtype=np.uint8)  # tensors are views of this map
+        self.byte_order = "I"
+        self.fields: dict[str, Field] = {}
+        self.tensors: list[Tensor] = []
+        self._parse()
+
+    # -------------------------------------------------------------- primitives
+    def _need(self, n: int) -> None:
+        if n < 0 or self._o + n > len(self._mm):
+            raise ValueError(f"header runs past the end of the file (at byte {self._o}, {n} more wanted)")
+
+    def _scalar(self, fmt: str):
+        n = struct.calcsize(fmt)
+        self._need(n)
+        v = struct.unpack_from(fmt, self._mm, self._o)[0]
+        self._o += n
+        return v
+
+    def _str(self) -> str:
+        n = self._scalar("<Q")
+        self._need(n)
+        s = self._mm[self._o : self._o + n]
+        self._o += n
+        return s.decode("utf-8", errors="replace")
+
+    def _value(self, t: int):
+        vt = self._gguf.GGUFValueType
+        if t == _STRING:
+            return self._str(), [vt(t)], range(1)
+        if t in _SCALAR:
+            return self._scalar(_SCALAR[t]), [vt(t)], range(1)
+        if t != _ARRAY:
+            raise ValueError(f"unknown metadata value type {t}")
+        et = self._scalar("<I")
+        count = self._scalar("<Q")
+        if et == _STRING:
+            self._need(count * 8)  # each string at least its 8-byte length
+            mm, o, out = self._mm, self._o, []
+            unpack = struct.Struct("<Q").unpack_from
+            end = len(mm)
+            for _ in range(count):
+                n = unpack(mm, o)[0]
+                if o + 8 + n > end:
+                    raise ValueError("string array runs past the end of the file")
+                out.append(mm[o + 8 : o + 8 + n].decode("utf-8", errors="replace"))
+                o += 8 + n
+            self._o = o
+            return out, [vt(_ARRAY), vt(et)], range(count)
+        if et not in _NP:
+            raise ValueError(f"unsupported array element type {et}")
+        item = np.dtype(_NP[et]).itemsize
+        self._need(count * item)
+        a = np.frombuffer(self._mm, dtype=_NP[et], count=count, offset=self._o)
+        self._o += count * item
+        return a.tolist(), [vt(_ARRAY), vt(et)], range(count)
+
+    # -------------------------------------------------------------- the file
+    def _parse(self) -> None:
+        self._o = 0
+        self._need(4)
+        if self._mm[:4] != b"GGUF":
+            raise ValueError("not a GGUF file (bad magic)")
+        self._o = 4
+        version = self._scalar("<I")
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} (big-endian file, or unsupported)")
+        n_tensors, n_kv = self._scalar("<Q"), self._scalar("<Q")
+        # every tensor info and key-value takes at least 8 + 4 bytes
+        self._need(min(n_tensors, 1 << 40) * 12 + min(n_kv, 1 << 40) * 12)
+        for _ in range(n_kv):
+            key = self._str()
+            value, types, data = self._value(self._scalar("<I"))
+            self.fields[key] = Field(key, types, value, data)
+        infos = []
+        for _ in range(n_tensors):
+            name = self._str()
+            nd = self._scalar("<I")
+            if nd > MAX_DIMS:
+                raise ValueError(f"tensor {name!r} has {nd} dimensions (at most {MAX_DIMS})")
+            dims = [self._scalar("<Q") for _ in range(nd)]
+            qt = self._gguf.GGMLQuantizationType(self._scalar("<I"))
+            offset = self._scalar("<Q")
+            infos.append((name, dims, qt, offset))
+        align = self.fields.get("general.alignment")
+        align = int(align.value) if align is not None else 32
+        if align <= 0 or align & (align - 1):
+            raise ValueError(f"general.alignment {align} is not a power of two")
+        start = -(-self._o // align) * align
+        size = len(self._mm)
+        for name, dims, qt, offset in infos:
+            n = 1
+            for d in dims:
+                n *= d
+            if n >= 1 << 40:
+                raise ValueError(f"tensor {name!r} declares {n} elements")
+            qk, bb = self._gguf.GGML_QUANT_SIZES[qt]
+            if not dims or dims[0] % qk:
+                raise ValueError(f"tensor {name!r}: rows of {dims[:1]} are not whole {qt.name} blocks")
+            nbytes = n // qk * bb
+            at = start + offset
+            if at + nbytes > size:
+                raise ValueError(f"tensor {name!r} runs past the end of the file; truncated?")
+            data = self._view(at, nbytes, dims, qt, qk, bb)
+            self.tensors.append(Tensor(name, np.array(dims, np.uint64), qt, n, nbytes, at, data))
+
+    def _view(self, at, nbytes, dims, qt, qk, bb) -> np.ndarray:
+        Q = self._gguf.GGMLQuantizationType
+        # as gguf's reader: float types as their numpy type, the rest as bytes
+        # [.., row bytes], rows reversed to numpy order
+        rev = list(reversed(dims))
+        raw = self.data[at : at + nbytes]
+        if qt == Q.F32:
+            return raw.view(np.float32).reshape(rev)
+        if qt == Q.F16:
+            return raw.view(np.float16).reshape(rev)
+        if qt in (Q.I8, Q.I16, Q.I32,
+                  Q.I64, Q.F64):
+            dt = {Q.I8: np.int8, Q.I16: np.int16,
+                  Q.I32: np.int32, Q.I64: np.int64,
+                  Q.F64: np.float64}[qt]
+            return raw.view(dt).reshape(rev)
+        return raw.reshape(*rev[:-1], dims[0] // qk * bb)

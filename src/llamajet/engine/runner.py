@@ -29,12 +29,13 @@ from llamajet import ops
 from llamajet.config import RuntimeConfig
 from llamajet.engine.block_manager import kv_slot
 from llamajet.formats.convert import prepare_weights
+from llamajet.formats.pending import materialize
 from llamajet.graph.ir import Graph
 from llamajet.graph.lower import KVLayout, lower
 from llamajet.graph.passes import FusionContext
 from llamajet.graph.passes import fuse as fuse_graph
 from llamajet.graph.planner import MemoryPlan, plan_memory
-from llamajet.loaders import LoadedModel
+from llamajet.loaders import LoadedModel, page_releaser
 from llamajet.model import registry
 
 
@@ -68,7 +69,11 @@ def compile_graph(model: LoadedModel, cfg: RuntimeConfig,
     graph = registry.get(model.config.architecture).build(model.config, weights, cfg.max_model_len)
     if before_passes is not None:
         before_passes(graph)
+    del weights  # the graph holds what it reads: the parts a pass stacked are dropped by it
     log = fuse_graph(graph, FusionContext(act_int8=cfg.act_int8)) if cfg.fuse else []
+    # the deferred GGUF repacks, each straight into its final (stacked) buffer,
+    # the file's pages released tensor by tensor (formats/pending.py)
+    graph.weights.update(materialize(graph.weights, cfg.n_threads, release=page_releaser(model)))
     return CompiledGraph(graph, log)
 
 
@@ -87,7 +92,9 @@ class ModelRunner:
         self.kv_dtype = cfg.kv_dtype
         self.kernels = cfg.kernels
         self.max_blocks = math.ceil(self.max_model_len / self.block_size)
-        self.num_blocks = cfg.num_kv_blocks
+        # sized (and a too-small kv_cache_memory refused) before any weight is repacked
+        kv_row = KVLayout.row_bytes_of(cfg.kv_dtype, model.config.num_kv_heads, model.config.head_dim)
+        self.num_blocks = cfg.kv_blocks(2 * model.config.num_layers * kv_row)
         compiled = compile_graph(model, cfg)
         self.graph, self.fusion_log = compiled.graph, compiled.fusion_log
         # What the Program reads (after fusion: the stacked matrices, not their parts).

@@ -46,26 +46,62 @@ def _pad(a: np.ndarray, n_pad: int, k_pad: int, fill_rows=0) -> np.ndarray:
     return a
 
 
+def tail_parts(scheme: QuantScheme) -> list[tuple[str, type, bool]]:
+    """The tail of a (tile, super-block) block, in order: (name, dtype, per
+    group?) — per group: [N_pad, n_groups] arrays, else [N_pad, n_super]."""
+    kind = scheme.kind
+    if kind in ("pk_q4k", "pk_q5k"):
+        return [("D", F16, False), ("DM", F16, False), ("sc", np.uint8, True), ("mn", np.uint8, True)]
+    if kind == "pk_q6k":
+        return [("D", F16, False), ("sc", np.int8, True)]
+    return [("d", F16, True)] + ([] if scheme.symmetric else [("m", F16, True)])
+
+
+def pack_parts(name: str, scheme: QuantScheme, shape: tuple[int, int], codes: np.ndarray, parts: dict,
+               kind: Kind = Kind.MATRIX, rope_interleaved: bool = False, out: np.ndarray | None = None) -> Weight:
+    """Lays out codes [N_pad, K_pad] (uint8; int8 for int8 kinds) and the tail
+    arrays `parts` (tail_parts) in the kernels' order (layout: common.h).
+    With `out` (tiles [t0, t0 + N_pad / 16) of a larger storage array: the
+    rows given are those tiles'), writes there and returns None."""
+    n_pad, k_pad = codes.shape
+    g, S, bits = scheme.group_for(shape[1]), scheme.super, scheme.bits
+    nt, ng = n_pad // T, k_pad // g
+    nsb = ng // S
+    c = np.ascontiguousarray(codes).view(np.uint8).reshape(nt, T, ng, g).transpose(0, 2, 1, 3)  # [nt, ng, T, g]
+    if bits == 8:
+        code_bytes = c.reshape(nt, ng, T, g // 4, 4).transpose(0, 1, 3, 2, 4).reshape(nt, ng, -1)
+    else:
+        c6 = c.reshape(nt, ng, T, g // 8, 2, 4)
+        nib = c6 & 0x0F
+        nib = (nib[..., 0, :] | (nib[..., 1, :] << 4)).transpose(0, 1, 3, 2, 4).reshape(nt, ng, -1)
+        code_bytes = nib
+        if bits > 4:  # the plane: slot s = 2 chunk + half at bits [hb s, hb s + hb) of byte (row, j)
+            hb = bits - 4
+            assert g * hb == 32, "one 64-byte plane per group"
+            hi = (c6 >> 4).astype(np.uint32)
+            shifts = (hb * (2 * np.arange(g // 8)[:, None] + np.arange(2)[None, :])).astype(np.uint32)
+            plane = (hi << shifts[None, None, None, :, :, None]).sum(axis=(3, 4)).astype(np.uint8)  # [nt, ng, T, 4]
+            code_bytes = np.concatenate([nib, plane.reshape(nt, ng, -1)], axis=-1)
+    blocks = [code_bytes.reshape(nt, nsb, -1)]
+    for pname, dt, per_group in tail_parts(scheme):
+        a = np.ascontiguousarray(np.asarray(parts[pname]).astype(dt)).view(np.uint8)
+        width = 2 if dt == F16 else 1
+        per = S if per_group else 1
+        blocks.append(a.reshape(nt, T, nsb, per, width).transpose(0, 2, 3, 1, 4).reshape(nt, nsb, -1))
+    data = np.concatenate(blocks, axis=-1)
+    assert data.shape[-1] == scheme.block_bytes(shape[1])
+    if out is not None:
+        out[...] = data
+        return None
+    return Weight(name, kind, scheme, tuple(shape), np.ascontiguousarray(data), rope_interleaved)
+
+
 def pack(name: str, scheme: QuantScheme, shape: tuple[int, int], codes: np.ndarray, d: np.ndarray,
          m: np.ndarray | None = None, kind: Kind = Kind.MATRIX, rope_interleaved: bool = False) -> Weight:
     """Lays out codes [N_pad, K_pad] (uint8 for int4, int8 for int8) and fp16
     scales d (and mins m) [N_pad, n_groups] in the kernels' order."""
-    n_pad, k_pad = codes.shape
-    g = scheme.group_for(shape[1])
-    nt, ng = n_pad // T, k_pad // g
-    c = np.ascontiguousarray(codes).view(np.uint8).reshape(nt, T, ng, g).transpose(0, 2, 1, 3)
-    if scheme.bits == 4:
-        c = c.reshape(nt, ng, T, g // 8, 2, 4)
-        c = (c[..., 0, :] | (c[..., 1, :] << 4)).transpose(0, 1, 3, 2, 4)  # [nt, ng, chunk, row, 4]
-    else:
-        c = c.reshape(nt, ng, T, g // 4, 4).transpose(0, 1, 3, 2, 4)
-    parts = [c.reshape(nt, ng, -1)]
-    for s in (d, m) if m is not None else (d,):
-        parts.append(np.ascontiguousarray(s.astype(F16)).view(np.uint8).reshape(nt, T, ng, 2)
-                     .transpose(0, 2, 1, 3).reshape(nt, ng, 2 * T))
-    data = np.ascontiguousarray(np.concatenate(parts, axis=-1))
-    assert data.shape[-1] == scheme.block_bytes(shape[1])
-    return Weight(name, kind, scheme, tuple(shape), data, rope_interleaved)
+    parts = {"d": d} if m is None else {"d": d, "m": m}
+    return pack_parts(name, scheme, shape, codes, parts, kind, rope_interleaved)
 
 
 def _geometry(scheme: QuantScheme, shape: tuple[int, int]):
@@ -75,46 +111,74 @@ def _geometry(scheme: QuantScheme, shape: tuple[int, int]):
     return g, n_pad, k_pad, n_pad // T, k_pad // g
 
 
-def unpack_data(scheme: QuantScheme, data: np.ndarray, shape: tuple[int, int]):
-    """Inverse of pack: codes [N_pad, K_pad], d and m [N_pad, n_groups] (fp16)."""
+def unpack_parts(scheme: QuantScheme, data: np.ndarray, shape: tuple[int, int]):
+    """Inverse of pack_parts: codes [N_pad, K_pad] and the tail arrays."""
     g, n_pad, k_pad, nt, ng = _geometry(scheme, shape)
-    cb = scheme.block_bytes(shape[1]) - 2 * T * (1 if scheme.symmetric else 2)
-    raw = data.reshape(nt, ng, -1)
-    c = raw[..., :cb]
-    if scheme.bits == 4:
-        c = c.reshape(nt, ng, g // 8, T, 4).transpose(0, 1, 3, 2, 4)
-        codes = np.stack([c & 0x0F, c >> 4], axis=-2).reshape(nt, ng, T, g)
+    S, bits = scheme.super, scheme.bits
+    nsb = ng // S
+    raw = np.asarray(data).reshape(nt, nsb, -1)
+    cgb = T * g * bits // 8
+    cb = raw[..., : S * cgb].reshape(nt, ng, cgb)
+    if bits == 8:
+        codes = cb.reshape(nt, ng, g // 4, T, 4).transpose(0, 1, 3, 2, 4).reshape(nt, ng, T, g).view(np.int8)
     else:
-        codes = c.reshape(nt, ng, g // 4, T, 4).transpose(0, 1, 3, 2, 4).reshape(nt, ng, T, g).view(np.int8)
+        nib = cb[..., : T * g // 2].reshape(nt, ng, g // 8, T, 4).transpose(0, 1, 3, 2, 4)  # [nt, ng, T, chunk, 4]
+        codes = np.stack([nib & 0x0F, nib >> 4], axis=-2)  # [nt, ng, T, chunk, 2, 4]
+        if bits > 4:
+            hb = bits - 4
+            plane = cb[..., T * g // 2:].reshape(nt, ng, T, 1, 1, 4)
+            shifts = (hb * (2 * np.arange(g // 8)[:, None] + np.arange(2)[None, :])).astype(np.uint8)
+            codes = codes | (((plane >> shifts[None, None, None, :, :, None]) & ((1 << hb) - 1)) << 4)
+        codes = codes.reshape(nt, ng, T, g)
     codes = codes.transpose(0, 2, 1, 3).reshape(n_pad, k_pad)
+    parts, off = {}, S * cgb
+    for pname, dt, per_group in tail_parts(scheme):
+        width = 2 if dt == F16 else 1
+        per = S if per_group else 1
+        nbytes = per * T * width
+        a = np.ascontiguousarray(raw[..., off : off + nbytes]).reshape(nt, nsb, per, T, width)
+        parts[pname] = a.transpose(0, 3, 1, 2, 4).reshape(n_pad, nsb * per * width).view(dt)
+        off += nbytes
+    return codes, parts
 
-    def scales(off):
-        return np.ascontiguousarray(raw[..., off : off + 2 * T]).view(F16).reshape(
-            nt, ng, T).transpose(0, 2, 1).reshape(n_pad, ng)
 
-    d = scales(cb)
-    m = None if scheme.symmetric else scales(cb + 2 * T)
-    return codes, d, m
+def unpack_data(scheme: QuantScheme, data: np.ndarray, shape: tuple[int, int]):
+    """codes [N_pad, K_pad], d and m [N_pad, n_groups] (fp16) of an RTN kind's storage."""
+    codes, parts = unpack_parts(scheme, data, shape)
+    return codes, parts["d"], parts.get("m")
 
 
 def unpack(w: Weight):
-    """Codes [N_pad, K_pad], d and m [N_pad, n_groups] of a packed weight."""
+    """Codes [N_pad, K_pad], d and m [N_pad, n_groups] of a packed weight of an RTN kind."""
     return unpack_data(w.scheme, w.data, w.shape)
 
 
 def dequantize_data(scheme: QuantScheme, data: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
-    """float64 [N, K] values of packed storage."""
-    codes, d, m = unpack_data(scheme, data, shape)
+    """float64 [N, K] values of packed storage: the fp32 operations of
+    gguf.quants' dequantization for the GGUF twins (so equal bit for bit)."""
+    codes, parts = unpack_parts(scheme, data, shape)
     g, n_pad, k_pad, _, ng = _geometry(scheme, shape)
-    c = codes.astype(np.float64).reshape(n_pad, ng, g)
-    dd = d.astype(np.float64)[..., None]
-    if scheme.bits == 8:
-        w = dd * c
-    elif scheme.symmetric:
-        w = dd * (c - 8.0)
+    S, kind = scheme.super, scheme.kind
+    f32 = np.float32
+    if kind in ("pk_q4k", "pk_q5k", "pk_q6k"):
+        D = np.repeat(parts["D"].astype(f32), S, axis=1)[..., None]
+        d = D * parts["sc"].astype(f32)[..., None]
+        c = codes.reshape(n_pad, ng, g).astype(f32)
+        if kind == "pk_q6k":
+            w = d * (c - f32(32))
+        else:
+            dm = np.repeat(parts["DM"].astype(f32), S, axis=1)[..., None] * parts["mn"].astype(f32)[..., None]
+            w = d * c - dm
     else:
-        w = dd * c + m.astype(np.float64)[..., None]
-    return w.reshape(n_pad, k_pad)[: shape[0], : shape[1]]
+        c = codes.astype(f32).reshape(n_pad, ng, g)
+        dd = parts["d"].astype(f32)[..., None]
+        if scheme.bits == 8:
+            w = dd * c
+        elif scheme.symmetric:
+            w = dd * (c - f32(16 if scheme.bits == 5 else 8))
+        else:
+            w = dd * c + parts["m"].astype(f32)[..., None]
+    return w.astype(np.float64).reshape(n_pad, k_pad)[: shape[0], : shape[1]]
 
 
 def dequantize(w: Weight) -> np.ndarray:
@@ -172,21 +236,36 @@ def quantize_activations(x: np.ndarray, g: int, k_pad: int) -> tuple[np.ndarray,
     return q.reshape(M, k_pad), dx, q.astype(np.int32).sum(axis=-1)
 
 
+def group_scales(scheme: QuantScheme, parts: dict):
+    """Per-group float64 scales of a packed weight's rows: w = d * (c - bias)
+    + m. Returns d [N_pad, ng], m [N_pad, ng] or None, and the code bias."""
+    S, kind = scheme.super, scheme.kind
+    if kind in ("pk_q4k", "pk_q5k", "pk_q6k"):
+        f32 = np.float32  # D * sc as the kernels (and gguf.quants) form it: exact in fp32
+        d = (np.repeat(parts["D"].astype(f32), S, axis=1) * parts["sc"].astype(f32)).astype(np.float64)
+        if kind == "pk_q6k":
+            return d, None, 32
+        dm = np.repeat(parts["DM"].astype(f32), S, axis=1) * parts["mn"].astype(f32)
+        return d, -dm.astype(np.float64), 0
+    d = parts["d"].astype(np.float64)
+    if not scheme.symmetric:
+        return d, parts["m"].astype(np.float64), 0
+    return d, None, {4: 8, 5: 16, 8: 0}[scheme.bits]
+
+
 def matmul_a8_reference(x: np.ndarray, pw: Weight) -> np.ndarray:
     """float64 result of the W*A8 kernel's arithmetic: integer dot per group,
     then the group's scales (the kernels do this part in fp32)."""
-    codes, d, m = unpack(pw)
+    codes, parts = unpack_parts(pw.scheme, pw.data, pw.shape)
     g, _, k_pad, _, ng = _geometry(pw.scheme, pw.shape)
     q, dx, sq = quantize_activations(x, g, k_pad)
     n = pw.shape[0]
     c = codes[:n].astype(np.int64).reshape(n, ng, g)
     acc = np.einsum("mgk,ngk->mng", q.astype(np.int64).reshape(-1, ng, g), c)  # exact integers
-    dd = d[:n].astype(np.float64)[None]  # [1, n, ng]
+    d, m, bias = group_scales(pw.scheme, parts)
+    dd = d[:n][None]  # [1, n, ng]
     dxx = dx.astype(np.float64)[:, None, :]
-    if pw.scheme.bits == 8:
-        y = dd * dxx * acc
-    elif pw.scheme.symmetric:
-        y = dd * dxx * (acc - 8 * sq[:, None, :])
-    else:
-        y = dd * dxx * acc + m[:n].astype(np.float64)[None] * dxx * sq[:, None, :]
+    y = dd * dxx * (acc - bias * sq[:, None, :])
+    if m is not None:
+        y = y + m[:n][None] * dxx * sq[:, None, :]
     return y.sum(axis=-1)

@@ -10,6 +10,13 @@ Value of a weight, by kind (codes are unsigned bytes, scales fp16):
   int4 sym : w = d * (c - 8)        c in 0..15
   int4 asym: w = d * c + m          c in 0..15, m = the group's minimum (as GGUF Q4_1)
   int8 sym : w = d * c              c in -127..127 (signed byte; GGUF Q8_0 allows -128)
+The GGUF twins (repacked from a file without loss, never RTN targets):
+  gguf_q5_0: w = d * (c - 16)       c in 0..31, groups of 32
+  gguf_q5_1: w = d * c + m          c in 0..31
+  gguf_q4_k: w = (D * sc) * c - (DM * mn)   c in 0..15; groups of 32 in super-blocks of 8
+             (D, DM fp16 per super-block, sc, mn 6-bit per group, stored as bytes)
+  gguf_q5_k: the same, c in 0..31
+  gguf_q6_k: w = (D * sc) * (c - 32)        c in 0..63; groups of 16 in super-blocks of 16, sc int8
 """
 
 from __future__ import annotations
@@ -30,15 +37,27 @@ class QuantScheme:
     bits: int              # 4 or 8
     group: int             # elements per scale along K; 0 = one group per row (per channel)
     symmetric: bool
-    scale_dtype: str = "f16"
+    storage: str | None = None  # the kernels' storage type when not the RTN kind of (bits, symmetric)
 
     packed = True          # tiles of 16 rows, groups along K (formats/packed.py)
-    np_dtype = np.uint8    # storage: bytes [tiles, groups, block bytes]
+    np_dtype = np.uint8    # storage: bytes [tiles, super-blocks, block bytes]
 
     @property
     def code(self) -> ops.DType:  # the kernels' storage type
+        if self.storage:
+            return ops.dtype(self.storage)
         return {(4, True): ops.DType.PK_I4S, (4, False): ops.DType.PK_I4A, (8, True): ops.DType.PK_I8}[
             (self.bits, self.symmetric)]
+
+    @property
+    def rtn(self) -> bool:
+        """Whether float weights can be quantized to it (the GGUF twins only hold a file's blocks)."""
+        return self.storage is None
+
+    @property
+    def super(self) -> int:
+        """Groups per super-block: 1, or the K-quants' 8 / 16 (their shared scales)."""
+        return ops.packed_super(self.code)
 
     @property
     def kind(self) -> str:  # the storage type's name ("pk_i4a")
@@ -49,17 +68,17 @@ class QuantScheme:
         return self.group if self.group else -(-k // 8) * 8
 
     def k_padded(self, k: int) -> int:
-        """K rounded up to whole groups; the tail is zero weights (and zero activations)."""
-        g = self.group_for(k)
+        """K rounded up to whole super-blocks; the tail is zero weights (and zero activations)."""
+        g = self.group_for(k) * self.super
         return -(-k // g) * g
 
     def block_bytes(self, k: int) -> int:
-        """Bytes of one (16-row tile, group) block for rows of k elements."""
+        """Bytes of one (16-row tile, super-block) block for rows of k elements."""
         return ops.packed_block_bytes(self.code, self.group_for(k))
 
     def storage_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         n, k = shape
-        g = self.group_for(k)
+        g = self.group_for(k) * self.super
         return -(-n // ops.TILE), self.k_padded(k) // g, self.block_bytes(k)
 
     def to_f32(self, data: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -83,6 +102,11 @@ for _g in (16, 32, 64, 128):
     register(QuantScheme(f"int4_asym_g{_g}", 4, _g, False))
 register(QuantScheme("int8_g32", 8, 32, True))
 register(QuantScheme("int8_pc", 8, 0, True))
+register(QuantScheme("gguf_q5_0", 5, 32, True, "pk_i5s"))
+register(QuantScheme("gguf_q5_1", 5, 32, False, "pk_i5a"))
+register(QuantScheme("gguf_q4_k", 4, 32, False, "pk_q4k"))
+register(QuantScheme("gguf_q5_k", 5, 32, False, "pk_q5k"))
+register(QuantScheme("gguf_q6_k", 6, 16, True, "pk_q6k"))
 
 
 def get_scheme(name: str) -> QuantScheme:
@@ -90,6 +114,16 @@ def get_scheme(name: str) -> QuantScheme:
         return _REGISTRY[name]
     except KeyError:
         raise LlamajetError(f"unknown quantization scheme {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
+
+
+def rtn_scheme(name: str) -> QuantScheme:
+    """The scheme called `name` as a quantization target (RTN schemes only)."""
+    s = get_scheme(name)
+    if not s.rtn:
+        known = ", ".join(sorted(x.name for x in schemes() if x.rtn))
+        raise LlamajetError(f"{name!r} holds a GGUF file's blocks as they are and is no quantization target; "
+                            f"quantize to one of: {known}")
+    return s
 
 
 def schemes() -> list[QuantScheme]:

@@ -4,7 +4,8 @@
 - interleave_tiles: gate and up rows alternating in 16-row tiles (gate/up);
 - rope_interleave_rows: q/k rows from rotate-half to interleaved RoPE order.
 Each works on any storage format (float and GGML rows, packed tiles) and on
-bias vectors, which follow their matrix's rows.
+bias vectors, which follow their matrix's rows. Parts not yet written
+(formats/pending.py) stay unwritten: their fills are pointed at the stack.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from llamajet import ops
-from llamajet.formats.packed import pack, unpack
+from llamajet.formats.packed import pack_parts, unpack_parts
+from llamajet.formats.pending import restack, written
 from llamajet.formats.weight import Weight
 
 
@@ -36,8 +38,13 @@ def stack_rows(name: str, ws, rope_interleaved: bool = True) -> Weight:
     """[W0; W1; ...] along N (each N a multiple of 16 for packed ones: whole tiles)."""
     n = sum(w.shape[0] for w in ws)
     if ws[0].packed:
-        data = np.concatenate([w.data for w in ws], axis=0)
-        return ws[0].with_data(name, ws[0].format, (n, ws[0].shape[1]), data, rope_interleaved)
+        shape = (sum(w.data.shape[0] for w in ws), *ws[0].data.shape[1:])
+        out = np.empty(shape, np.uint8)
+        starts = np.cumsum([0] + [w.data.shape[0] for w in ws[:-1]]) * out[0].nbytes
+        pending = restack(ws, out, starts.tolist(), 1)  # deferred parts: their fills go to out, nothing moves
+        if pending is None:
+            out = np.concatenate([written(w).data for w in ws], axis=0)
+        return Weight(name, ws[0].kind, ws[0].format, (n, ws[0].shape[1]), out, rope_interleaved, pending=pending)
     return _from_rows(name, ws[0], np.concatenate([_rows(w) for w in ws], axis=0), n, rope_interleaved)
 
 
@@ -45,8 +52,11 @@ def interleave_tiles(name: str, g: Weight, u: Weight) -> Weight:
     """Gate and up rows alternating in 16-row tiles: [g0..15, u0..15, g16..31, ...]."""
     n = 2 * g.shape[0]
     if g.packed:
-        data = np.stack([g.data, u.data], axis=1).reshape(-1, *g.data.shape[1:])
-        return g.with_data(name, g.format, (n, g.shape[1]), data, False)
+        out = np.empty((2 * g.data.shape[0], *g.data.shape[1:]), np.uint8)
+        pending = restack([g, u], out, [0, out[0].nbytes], 2)
+        if pending is None:
+            out = np.stack([written(g).data, written(u).data], axis=1).reshape(-1, *g.data.shape[1:])
+        return Weight(name, g.kind, g.format, (n, g.shape[1]), out, False, pending=pending)
     gr, ur = _rows(g), _rows(u)
     rows = np.stack([gr.reshape(-1, ops.TILE, gr.shape[1]), ur.reshape(-1, ops.TILE, ur.shape[1])], axis=1)
     return _from_rows(name, g, rows.reshape(n, -1), n, False)
@@ -59,13 +69,15 @@ def rope_interleave_rows(w: Weight, heads: int, hd: int) -> Weight:
     if w.rope_interleaved:
         return w
     perm = np.arange(heads * hd).reshape(heads, 2, hd // 2).transpose(0, 2, 1).reshape(-1)
-    if w.packed:
-        codes, d, m = unpack(w)
+    if w.packed:  # every per-row array (codes, scales, super-block scales) follows its row
+        w = written(w)
+        codes, parts = unpack_parts(w.scheme, w.data, w.shape)
         n = w.shape[0]
-        codes, d = codes.copy(), d.copy()
-        codes[:n], d[:n] = codes[:n][perm], d[:n][perm]
-        if m is not None:
-            m = m.copy()
-            m[:n] = m[:n][perm]
-        return pack(w.name, w.scheme, w.shape, codes, d, m, w.kind, rope_interleaved=True)
+        codes = codes.copy()
+        codes[:n] = codes[:n][perm]
+        for name, a in parts.items():
+            a = a.copy()
+            a[:n] = a[:n][perm]
+            parts[name] = a
+        return pack_parts(w.name, w.scheme, w.shape, codes, parts, w.kind, rope_interleaved=True)
     return _from_rows(w.name, w, _rows(w)[perm], w.shape[0], True)

@@ -17,7 +17,7 @@ import numpy as np
 
 from llamajet import ops
 from llamajet.errors import ModelFormatError
-from llamajet.formats.layout import Format, get_format
+from llamajet.formats.layout import BlockFormat, Format, get_format
 
 
 class Kind(enum.Enum):
@@ -45,6 +45,9 @@ class Weight:
     # head_dim/2)). The model picks the matching RoPE variant; q.k is unchanged
     # by the permutation.
     rope_interleaved: bool = False
+    # formats/pending.py: bytes not written yet (a GGUF matrix repacked once,
+    # into its final buffer, after the fusion passes stacked it)
+    pending: object = None
 
     def __post_init__(self):
         if isinstance(self.format, str):
@@ -70,7 +73,9 @@ class Weight:
         return self.format.code
 
     @property
-    def dtype(self) -> str:  # its name: f32 | f16 | bf16 | q8_0 | q4_0 | q4_1 | pk_i4s | pk_i4a | pk_i8
+    def dtype(self) -> str:  # its name: f32 | f16 | bf16 | q8_0 | q4_0 | ... | q6_k | pk_i4s | pk_i4a | ... | pk_q6k
+        if isinstance(self.format, BlockFormat) and not self.format.native:
+            return self.format.name  # a GGUF block type held until repacked (no C++ storage type)
         return ops.dtype_name(self.format.code)
 
     @property
@@ -85,6 +90,8 @@ class Weight:
 
     def to_f32(self) -> np.ndarray:
         """A float32 copy of shape ``shape`` (for references, tests and re-quantization)."""
+        if self.pending is not None:
+            self.pending.run()  # the bytes first (formats/pending.py)
         return self.format.to_f32(self.data, self.shape)
 
     def with_data(self, name: str, fmt, shape, data, rope_interleaved: bool | None = None) -> "Weight":

@@ -92,6 +92,8 @@ def tensor_ref(graph: Graph, plan: MemoryPlan, arena: int, t: str):
                                                                 (shape[0], 1))
     if spec.kind == "weight":
         w = graph.weights[t]
+        if w.pending is not None:  # compile_graph writes every deferred weight first
+            raise RuntimeError(f"{t}: weight bytes not written yet (formats.pending.materialize)")
         return ops.Ref.from_array(w.data, w.code, rows, cols, w.group)
     return ops.Ref.in_buffer(arena, plan.offsets[t], ops.dtype(spec.dtype), _rows(rows), cols, spec.group)
 

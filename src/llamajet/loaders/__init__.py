@@ -3,8 +3,9 @@
 Weights stay where they are: every f32/f16/bf16 tensor, and every GGML block
 format the kernels read (Q8_0, Q4_0, Q4_1), is a numpy view of the
 memory-mapped file, named and typed by its architecture's tensor spec
-(model/spec.py). Only GGUF formats the kernels do not read (Q4_K, Q6_K, ...)
-are dequantized to f32 at load, a copy.
+(model/spec.py), and so is every GGUF block type with a packed twin (Q5_0,
+Q5_1, Q4_K, Q5_K, Q6_K: repacked later, formats/pending.py). Only GGUF
+formats without one (Q2_K, Q3_K, IQ*) are dequantized to f32 at load, a copy.
 
     load_model(path)   folder with llamajet.json -> load_saved (a `llamajet quantize` output);
                        folder with config.json -> load_hf; *.gguf file -> load_gguf
@@ -17,7 +18,7 @@ from pathlib import Path
 from llamajet.errors import ModelFormatError
 from llamajet.formats import saved
 from llamajet.loaders.base import LoadedModel, check_weights
-from llamajet.loaders.gguf import load_gguf
+from llamajet.loaders.gguf import load_gguf, page_releaser
 from llamajet.loaders.safetensors import load_hf
 from llamajet.model import registry
 
@@ -66,4 +67,4 @@ def _has_gguf_magic(path: Path) -> bool:
         return False
 
 
-__all__ = ["LoadedModel", "check_weights", "load_gguf", "load_hf", "load_model", "load_saved"]
+__all__ = ["LoadedModel", "check_weights", "load_gguf", "load_hf", "load_model", "load_saved", "page_releaser"]

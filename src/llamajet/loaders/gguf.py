@@ -1,10 +1,13 @@
-"""GGUF files, through ``gguf.GGUFReader`` (which memory-maps the file; each
-``ReaderTensor.data`` is a view of that map).
+"""GGUF files, through gguf_meta.Reader (it memory-maps the file; each
+tensor's ``data`` is a view of that map; gguf-py's GGUFReader offers the same
+but took 8 s over a Llama-3 vocabulary).
 
 - Every tensor is named and typed by the architecture's tensor spec
   (model/spec.py): an unknown name is an error naming it.
-- F32, F16, BF16, Q8_0, Q4_0, Q4_1: kept as views, bytes exactly as in the file.
-- Other formats ``gguf.quants`` can decode (Q4_K, Q5_K, Q6_K, Q5_0, ...):
+- F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: kept as
+  views, bytes exactly as in the file (the block types are repacked into
+  their packed twins by prepare_weights, formats/gguf_blocks.py).
+- Other formats ``gguf.quants`` can decode (Q2_K, Q3_K, IQ*, ...):
   dequantized to f32 at load, a copy; the quantizer can re-pack them later.
 - RoPE-rotated rows (attn_q / attn_k) stay in the file's order, marked
   ``rope_interleaved`` where the architecture's converter permuted them
@@ -21,6 +24,7 @@ import numpy as np
 
 from llamajet.config import ModelConfig
 from llamajet.errors import ModelFormatError, UnsupportedModelError
+from llamajet.gguf_meta import Reader
 from llamajet.formats.layout import get_format
 from llamajet.formats.weight import Weight
 from llamajet.loaders.base import LoadedModel, check_weights
@@ -29,16 +33,17 @@ from llamajet.model.spec import ArchSpec, TensorRule
 
 _Q = gguf.GGMLQuantizationType
 # GGML types the kernels read as they are -> our format name
-_RAW = {_Q.F32: "f32", _Q.F16: "f16", _Q.BF16: "bf16", _Q.Q8_0: "q8_0", _Q.Q4_0: "q4_0", _Q.Q4_1: "q4_1"}
+_RAW = {_Q.F32: "f32", _Q.F16: "f16", _Q.BF16: "bf16", _Q.Q8_0: "q8_0", _Q.Q4_0: "q4_0", _Q.Q4_1: "q4_1",
+        _Q.Q5_0: "q5_0", _Q.Q5_1: "q5_1", _Q.Q4_K: "q4_k", _Q.Q5_K: "q5_k", _Q.Q6_K: "q6_k"}
 # integer tensor types are never weights of a float model
 _NOT_WEIGHTS = {_Q.I8, _Q.I16, _Q.I32, _Q.I64}
 
 
-def open_reader(path: Path) -> gguf.GGUFReader:
-    """Open ``path`` with GGUFReader; any failure on a truncated or corrupt file
+def open_reader(path: Path) -> Reader:
+    """Open ``path`` with the reader; any failure on a truncated or corrupt file
     (the reader raises ValueError, IndexError, KeyError, ...) is a ModelFormatError."""
     try:
-        reader = gguf.GGUFReader(path)
+        reader = Reader(path)
     except Exception as e:
         raise ModelFormatError(f"{path}: not a readable GGUF file, truncated or corrupt "
                                f"({type(e).__name__}: {e})") from e
@@ -99,6 +104,30 @@ def load_gguf(path: str | Path) -> LoadedModel:
         weights[canonical] = _weight(t, canonical, rule, spec, path)
     config = check_weights(config, spec, weights, str(path), "gguf")
     return LoadedModel(config=config, weights=weights, source=str(path), gguf_reader=reader, keepalive=[reader])
+
+
+def page_releaser(model: LoadedModel):
+    """A function dropping one weight's file pages from the resident set once
+    it was repacked (formats/pending.py): a GGUF load then never holds the
+    whole file beside its repacked weights. None for other models."""
+    import mmap
+
+    reader = model.gguf_reader
+    mm = getattr(getattr(reader, "data", None), "_mmap", None)
+    if mm is None or not hasattr(mm, "madvise"):
+        return None
+    base, size, page = reader.data.ctypes.data, len(reader.data), mmap.PAGESIZE
+
+    def release(w) -> None:
+        a = np.asarray(w.data)
+        start = a.ctypes.data - base
+        if not 0 <= start < size:
+            return  # not a view of this file
+        lo = start // page * page
+        hi = min(size, -(-(start + a.nbytes) // page) * page)
+        mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+    return release
 
 
 def release_file_pages(model: LoadedModel) -> None:

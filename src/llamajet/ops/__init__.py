@@ -74,6 +74,16 @@ def packed_block_bytes(dt: str | DType, group: int) -> int:
     return _core.packed_block_bytes(dtype(dt), group)
 
 
+def packed_super(dt: str | DType) -> int:
+    """Groups per super-block of a packed type (1; the K-quants 8 or 16)."""
+    return _core.packed_super(dtype(dt))
+
+
+def packed_code_bits(dt: str | DType) -> int:
+    """Bits per code of a packed type (4, 5, 6, 8)."""
+    return _core.packed_code_bits(dtype(dt))
+
+
 def quantize_packed(dt: str | DType, group: int, w: np.ndarray, isa: str | None = None,
                     n_threads: int | None = None) -> np.ndarray:
     """C++ RTN quantization of float32 w [N, K] into packed `dt` ("pk_i4s",
@@ -90,6 +100,15 @@ def dequantize_packed(dt: str | DType, group: int, shape: tuple[int, int], packe
                                    np.ascontiguousarray(packed), n_threads or default_threads())
 
 
+def repack_gguf(gguf_type: str, src: np.ndarray, shape: tuple[int, int], dst: np.ndarray, dst_offset: int = 0,
+                tile_stride: int | None = None, n_threads: int | None = None) -> None:
+    """C++ repack of a GGUF [N, K] block matrix (its raw bytes, e.g. a view of
+    the file's map) into its packed twin's tiles at dst (uint8, C-contiguous),
+    tile t at byte dst_offset + t * tile_stride (default: the tile's bytes)."""
+    _core.repack_gguf(gguf_type, np.ascontiguousarray(src).view(np.uint8).reshape(-1), shape[0], shape[1],
+                      dst.reshape(-1), dst_offset, tile_stride or 0, n_threads or default_threads())
+
+
 def i32(a) -> np.ndarray:
     """A C-contiguous int32 array, as the executor's step inputs require."""
     return np.ascontiguousarray(a, dtype=np.int32)
@@ -98,6 +117,6 @@ def i32(a) -> np.ndarray:
 __all__ = [
     "DType", "Epilogue", "Executor", "GGML_BLOCK_TYPES", "KV_DTYPES", "OPS", "OpKind", "Prologue", "QK",
     "ROWS_OUT", "ROWS_TOKENS", "Ref", "TILE", "cpu_features", "default_threads", "dequantize_packed", "dtype",
-    "dtype_name", "ggml_block_bytes", "i32", "packed_block_bytes", "quantize_packed", "resolve_isa", "row_bytes",
+    "dtype_name", "ggml_block_bytes", "i32", "packed_block_bytes", "packed_code_bits", "packed_super", "quantize_packed", "repack_gguf", "resolve_isa", "row_bytes",
     "step_allocations", "supported_isas", "tensor_bytes",
 ]

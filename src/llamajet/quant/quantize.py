@@ -33,7 +33,7 @@ from llamajet.formats import saved
 from llamajet.formats.gguf_blocks import LOSSLESS, repack_gguf
 from llamajet.formats.layout import FLOATS
 from llamajet.formats.saved import META_FILE, WEIGHTS_FILE, SavedTensor
-from llamajet.formats.schemes import QuantScheme, get_scheme, schemes
+from llamajet.formats.schemes import QuantScheme, get_scheme, rtn_scheme, schemes
 from llamajet.formats.weight import Weight
 from llamajet.loaders import LoadedModel, load_model
 from llamajet.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_gguf
@@ -45,10 +45,12 @@ def check_scheme(name: str) -> QuantScheme | None:
     """The scheme called ``name`` (None for "keep"), or an error listing every choice."""
     if name == KEEP:
         return None
+    if name in {s.name for s in schemes()}:
+        return rtn_scheme(name)
     try:
         return get_scheme(name)
     except LlamajetError:
-        known = ", ".join([KEEP] + sorted(s.name for s in schemes()))
+        known = ", ".join([KEEP] + sorted(s.name for s in schemes() if s.rtn))
         raise LlamajetError(f"unknown quantization scheme {name!r}; known: {known}") from None
 
 

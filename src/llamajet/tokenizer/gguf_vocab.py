@@ -100,12 +100,12 @@ def is_gguf(path: Path) -> bool:
 
 
 def from_gguf_path(path: Path) -> Tokenizer:
-    import gguf  # only GGUF users pay for importing it
+    from llamajet.gguf_meta import Reader
 
     if not is_gguf(path):
         raise ModelFormatError(f"{path}: not a GGUF file (does not start with the GGUF magic)")
     try:
-        reader = gguf.GGUFReader(str(path), "r")
+        reader = Reader(path)
     except Exception as e:  # numpy/struct/value errors from a short or damaged file
         raise ModelFormatError(
             f"{path}: truncated or corrupt GGUF, its header/metadata cannot be parsed "
