@@ -34,6 +34,9 @@ def test_defaults_are_stated_once():
     ({"fuse": "yes"}, "fuse='yes'"),
     ({"kernels": "reference", "quantize": "int8_g32"}, "packed kernels"),
     ({"kv_cache_tokens": 8}, "at least one block"),
+    ({"kv_cache_memory": "4 parsecs"}, "not a size"),
+    ({"kv_cache_memory": 0}, "must be positive"),
+    ({"kv_cache_memory": "1GiB", "kv_cache_tokens": 4096}, "not both"),
 ])
 def test_bad_options_are_refused_before_the_model_is_read(options, message, tmp_path):
     # the path does not exist: the option error must come first (nothing is read, nothing lost)
@@ -70,6 +73,31 @@ def test_runner_and_engine_read_the_config(stories_hf):
     assert q.engine.runner.weights["blk.0.attn_qkv"].dtype == "pk_i8"
     with pytest.raises(RequestError, match="max_model_len=1000 must be in 2..512"):  # the model's own limit
         LLM(stories_hf, max_model_len=1000)
+
+
+def test_kv_cache_memory_sizes_the_pool(stories_hf):
+    from llamajet.config import parse_bytes
+
+    assert parse_bytes("4GiB") == 4 << 30 and parse_bytes("2GB") == 2 * 10**9 and parse_bytes(" 1.5 m") == 3 << 19
+    assert parse_bytes(12345) == 12345 and parse_bytes("512MiB") == 512 << 20
+    # stories260K: 5 layers x K and V x 4 kv heads x 8 dims x 2 bytes (f16) = 640 bytes a token
+    llm = LLM(stories_hf, max_model_len=64, kv_cache_memory="64KiB", block_size=16)
+    r = llm.engine.runner
+    per_block = 2 * 5 * 4 * 8 * 2 * 16
+    assert r.kv_bytes_per_block == per_block and r.num_blocks == (64 << 10) // per_block  # 6 blocks
+    assert r.kv_pool_bytes <= 64 << 10
+    with pytest.raises(RequestError, match="less than one context of max_model_len=512"):
+        LLM(stories_hf, max_model_len=512, kv_cache_memory="64KiB")  # 102 tokens < 512
+
+
+def test_info_prints_where_the_memory_goes(stories_hf, capsys):
+    from llamajet.cli import main
+
+    assert main(["info", "--model", str(stories_hf), "--max-model-len", "128", "--kv-cache-tokens", "256"]) == 0
+    out = capsys.readouterr().out
+    lines = {ln.split(":")[0]: ln for ln in out.splitlines()}
+    assert "f32" in lines["weights"] and "256 tokens" in lines["kv pool"] and "context 128" in lines["kv pool"]
+    assert "arena" in lines and "resident set" in lines["other"]
 
 
 _PREFAULT = r"""

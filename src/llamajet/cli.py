@@ -118,7 +118,34 @@ def cmd_info(a) -> int:
         print(f"default model: {default_model_path()}")
     except LlamajetError as e:
         print(f"default model: {e}")
+    if a.model is not None:
+        _print_memory(_llm(a))
     return 0
+
+
+def _print_memory(llm) -> None:
+    """Where a loaded model's memory goes: the weights as the kernels read
+    them (by storage type), the KV pool, the activation arena, and the rest
+    of this process's resident set (code, Python, tokenizer, page tables)."""
+    from collections import Counter
+
+    r = llm.engine.runner
+    by_type, n_by_type = Counter(), Counter()
+    for w in r.weights.values():
+        by_type[w.dtype] += w.data.nbytes
+        n_by_type[w.dtype] += 1
+    weights = sum(by_type.values())
+    mib = 2**20
+    with open("/proc/self/status") as f:
+        rss = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
+    print(f"model:      {llm.model.source} ({llm.model.config.name or llm.model.config.architecture})")
+    print(f"weights:    {weights / mib:9.1f} MiB  " +
+          ", ".join(f"{t} {b / mib:.1f} MiB x{n_by_type[t]}" for t, b in by_type.most_common()))
+    print(f"kv pool:    {r.kv_pool_bytes / mib:9.1f} MiB  {r.num_blocks * r.block_size} tokens "
+          f"({r.num_blocks} blocks of {r.block_size}, {r.kv_dtype}), context {r.max_model_len}")
+    print(f"arena:      {r.plan.arena_bytes / mib:9.1f} MiB  activations of a {r.max_tokens}-token step")
+    other = rss - weights - r.kv_pool_bytes - r.plan.arena_bytes
+    print(f"other:      {other / mib:9.1f} MiB  (resident set {rss / mib:.1f} MiB, less the above)")
 
 
 def cmd_quantize(a) -> int:
@@ -193,8 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(c, temperature=0.7)
     c.add_argument("--system", default=None, help="system prompt")
     c.set_defaults(fn=cmd_chat)
-    i = sub.add_parser("info", help="CPU features, chosen ISA, threads, versions")
+    i = sub.add_parser("info", help="CPU features, chosen ISA, threads, versions; with --model, where its memory goes")
     i.add_argument("--isa", default=None)
+    _add_model_args(i, skip=("isa",))
     i.set_defaults(fn=cmd_info)
     q = sub.add_parser("quantize", help="convert a checkpoint into llamajet's saved (mmap-ready) format")
     q.add_argument("input", help="HF folder, .gguf file, or a llamajet saved folder")

@@ -490,6 +490,36 @@ DEFAULT_MAX_MODEL_LEN = 4096  # KV memory grows with it; models may allow more
 DEFAULT_KV_CACHE_TOKENS = 8192  # default pool: at least this many tokens (or one full context)
 
 
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20, "mb": 10**6,
+          "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40, "tb": 10**12}
+
+
+def parse_bytes(v) -> int:
+    """A size: an int, or "4GiB" / "512 MiB" / "2GB" / "1.5g" (K, M, G, T and
+    KiB.. are binary, KB.. decimal). ValueError on anything else or <= 0."""
+    import re
+
+    if isinstance(v, bool):
+        raise ValueError("a size in bytes, e.g. 4GiB")
+    if isinstance(v, int):
+        n = v
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(v))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{v!r} is not a size: a byte count or e.g. 4GiB, 512MiB, 2GB")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ValueError("must be positive")
+    return n
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, f in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= f:
+            return f"{n / f:.2f} {unit}"
+    return f"{n} B"
+
+
 def _option(default, help: str, **meta):
     """A RuntimeConfig field: its default and the help the CLI shows, once."""
     return field(default=default, metadata={"help": help, **meta})
@@ -520,7 +550,10 @@ class RuntimeConfig:
         "f16", "KV cache storage: f16 (KL 4e-7 vs f32 on WikiText-2, llama.cpp's default too) | f32 | bf16 | "
         "int8 (a scale per token and head)", choices=KV_CACHE_DTYPES)
     kv_cache_tokens: int | None = _option(
-        None, "KV pool size in tokens (default: max(max_model_len, 8192))")
+        None, "KV pool size in tokens (default: max(max_model_len, 8192); or size it by kv_cache_memory)")
+    kv_cache_memory: str | None = _option(
+        None, "KV pool size in bytes, e.g. 4GiB, 512MiB, 2GB or a byte count: the pool holds as many "
+        "blocks as fit (must hold one max_model_len context)")
     block_size: int = _option(16, "token slots per KV block")
     enable_prefix_caching: bool = _option(True, "reuse the K/V of equal prompt prefixes across requests")
     # The block manager hands out blocks least-recently-freed first (so cached
@@ -558,6 +591,13 @@ class RuntimeConfig:
             bad("quantize", "a quantization scheme needs the packed kernels (kernels='fast' or 'a16')")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             bad("kv_cache_tokens", f"must hold at least one block ({self.block_size} tokens)")
+        if self.kv_cache_memory is not None:
+            try:
+                object.__setattr__(self, "kv_cache_memory", str(parse_bytes(self.kv_cache_memory)))
+            except ValueError as e:
+                bad("kv_cache_memory", str(e))
+            if self.kv_cache_tokens is not None:
+                bad("kv_cache_memory", "give kv_cache_tokens or kv_cache_memory, not both")
         for name in ("isa", "quantize"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):
@@ -611,7 +651,19 @@ class RuntimeConfig:
         """Sequences per step: never more than the step's tokens."""
         return min(self.max_num_seqs, self.step_tokens)
 
-    @property
-    def num_kv_blocks(self) -> int:
+    def kv_blocks(self, bytes_per_token: int) -> int:
+        """KV pool blocks for a model whose K and V of one token (every layer)
+        take `bytes_per_token`: kv_cache_tokens, or as many as kv_cache_memory
+        holds (at least one full context), or the default."""
+        if self.kv_cache_memory is not None:
+            blocks = int(self.kv_cache_memory) // (bytes_per_token * self.block_size)
+            need = -(-self._resolved_len() // self.block_size)
+            if blocks < need:
+                raise RequestError(
+                    f"kv_cache_memory={_fmt_bytes(int(self.kv_cache_memory))} holds {blocks * self.block_size} "
+                    f"tokens ({bytes_per_token} bytes each), less than one context of max_model_len="
+                    f"{self._resolved_len()}: give at least {_fmt_bytes(need * self.block_size * bytes_per_token)} "
+                    "or a smaller max_model_len")
+            return blocks
         tokens = self.kv_cache_tokens or max(self._resolved_len(), DEFAULT_KV_CACHE_TOKENS)
         return -(-tokens // self.block_size)

@@ -41,9 +41,11 @@ def _llamajet_worker(conn, model, cfg, max_len, fuse=True):
     from llamajet import LLM, SamplingParams
 
     # no prefix cache: every round must really prefill; one step holds the 512-token prompt
+    t0 = time.perf_counter()  # load: from the call to ready to generate (tokenizer and KV pool included)
     llm = LLM(model, cfg, max_model_len=max_len, max_tokens_per_step=512, enable_prefix_caching=False,
               max_num_seqs=1, fuse=fuse and cfg.fuse)
-    conn.send(("ready", f"llamajet ({llm.isa}, {cfg.kernels}{'' if llm.runtime.fuse else ', no-fuse'})"))
+    load = time.perf_counter() - t0
+    conn.send(("ready", f"llamajet ({llm.isa}, {cfg.kernels}{'' if llm.runtime.fuse else ', no-fuse'})", load))
 
     def timed(ids, n):
         t = time.perf_counter()
@@ -60,9 +62,11 @@ def _llama_cpp_worker(conn, model, cfg, max_len, fuse=True):
     from llamajet.ops import default_threads
 
     threads = cfg.n_threads or default_threads()
+    t0 = time.perf_counter()
     lc = llama_cpp.Llama(model_path=str(model), n_threads=threads, n_threads_batch=threads, n_ctx=max_len,
                          n_batch=512, flash_attn=True, verbose=False)
-    conn.send(("ready", f"llama.cpp {llama_cpp.__version__}"))
+    load = time.perf_counter() - t0
+    conn.send(("ready", f"llama.cpp {llama_cpp.__version__}", load))
 
     def timed(ids, n):
         lc.reset()
@@ -109,13 +113,15 @@ class EngineFigures:
     name: str
     prefill: dict = field(default_factory=lambda: {p: [] for p in PROMPTS})  # P -> [tok/s]
     decode: list = field(default_factory=list)  # tok/s
+    decode_long: list = field(default_factory=list)  # tok/s after the long prompt
     peak_rss_mib: float = float("nan")
+    load_s: float = float("nan")
 
     def med(self):
         return ({p: statistics.median(v) for p, v in self.prefill.items()}, statistics.median(self.decode))
 
 
-def _round(conn, prompts, fig: EngineFigures):
+def _round(conn, prompts, fig: EngineFigures, long_prompt=None):
     for p in PROMPTS:
         conn.send((prompts[p], 1))
         fig.prefill[p].append(p / conn.recv()[1])
@@ -124,11 +130,19 @@ def _round(conn, prompts, fig: EngineFigures):
     t1 = conn.recv()[1]
     conn.send((prompts[PROMPTS[0]], 1 + NEW_TOKENS))
     fig.decode.append(NEW_TOKENS / (conn.recv()[1] - t1))
+    if long_prompt:  # decode with a long context in the KV cache (attention reads it every token)
+        conn.send((long_prompt, 1))
+        t1 = conn.recv()[1]
+        conn.send((long_prompt, 1 + NEW_TOKENS))
+        fig.decode_long.append(NEW_TOKENS / (conn.recv()[1] - t1))
 
 
 def run(model: str | None = None, cfg=None, rounds: int = 3, vs_llama_cpp: bool = False,
-        corpus: Path | None = None, json_path: str | None = None, vs_no_fuse: bool = False) -> str:
-    """`cfg`: the RuntimeConfig both llamajet workers start from (threads, kernels, KV type, ...)."""
+        corpus: Path | None = None, json_path: str | None = None, vs_no_fuse: bool = False,
+        long_prompt: int = 0, figures: list | None = None) -> str:
+    """`cfg`: the RuntimeConfig both llamajet workers start from (threads, kernels, KV type, ...).
+    long_prompt: also decode after a prompt of that many tokens (both engines' context grows to hold it).
+    figures: a list the EngineFigures are appended to (for callers that tabulate)."""
     from llamajet.config import RuntimeConfig
     from llamajet.loaders import load_model
     from llamajet.models import default_model_path
@@ -143,7 +157,10 @@ def run(model: str | None = None, cfg=None, rounds: int = 3, vs_llama_cpp: bool 
     text = Path(corpus or DEFAULT_CORPUS).read_text(encoding="utf-8")[:200_000]
     ids = tok.encode(text, add_special_tokens=False)
     prompts = {p: ids[1000 : 1000 + p] for p in PROMPTS}
-    max_len = 1024
+    long_ids = ids[2000 : 2000 + long_prompt] if long_prompt else None
+    if long_prompt and len(long_ids) < long_prompt:
+        raise SystemExit(f"the corpus has fewer than {2000 + long_prompt} tokens")
+    max_len = max(1024, long_prompt + NEW_TOKENS + 16)
     del lm
     ctx = mp.get_context("spawn")
     workers = [("llamajet", _llamajet_worker, True)]
@@ -157,8 +174,8 @@ def run(model: str | None = None, cfg=None, rounds: int = 3, vs_llama_cpp: bool 
         b.close()  # only the child holds its end: if it dies, recv() here raises EOFError instead of waiting
         conns.append(_Checked(a, name, pr))
         procs.append(pr)
-        tag, label = conns[-1].recv()
-        figs.append(EngineFigures(label))
+        tag, label, load = conns[-1].recv()
+        figs.append(EngineFigures(label, load_s=load))
     for c in conns:  # warm-up round, not recorded
         _round(c, prompts, EngineFigures("warm-up"))
     for r in range(rounds):
@@ -166,25 +183,32 @@ def run(model: str | None = None, cfg=None, rounds: int = 3, vs_llama_cpp: bool 
         if r % 2:
             order.reverse()
         for i in order:
-            _round(conns[i], prompts, figs[i])
+            _round(conns[i], prompts, figs[i], long_ids)
     for c, pr, f in zip(conns, procs, figs):
         c.send(None)
         f.peak_rss_mib = c.recv()[1]
         pr.join()
     lines = [f"model {model}", f"threads {threads}, {rounds} rounds alternating, medians; decode over {NEW_TOKENS} "
              f"new tokens after the {PROMPTS[0]}-token prompt", ""]
-    hdr = f"{'engine':34s} " + " ".join(f"{'prefill ' + str(p):>12s}" for p in PROMPTS) + f" {'decode':>9s} {'peak RSS':>9s}"
+    longh = f" {'dec@' + str(long_prompt):>9s}" if long_prompt else ""
+    hdr = (f"{'engine':34s} " + " ".join(f"{'prefill ' + str(p):>12s}" for p in PROMPTS) + f" {'decode':>9s}" + longh
+           + f" {'peak RSS':>9s} {'load':>7s}")
     lines += [hdr, "-" * len(hdr)]
     meds = [f.med() for f in figs]
-    for f, (pre, dec) in zip(figs, meds):
-        lines.append(f"{f.name:34s} " + " ".join(f"{pre[p]:12.1f}" for p in PROMPTS) + f" {dec:9.1f} "
-                     f"{f.peak_rss_mib:7.0f}Mi")
+    dl = [statistics.median(f.decode_long) if f.decode_long else float("nan") for f in figs]
+    for f, (pre, dec), d2 in zip(figs, meds, dl):
+        lines.append(f"{f.name:34s} " + " ".join(f"{pre[p]:12.1f}" for p in PROMPTS) + f" {dec:9.1f}"
+                     + (f" {d2:9.1f}" if long_prompt else "") + f" {f.peak_rss_mib:7.0f}Mi {f.load_s:6.2f}s")
     for i in range(1, len(figs)):
         (p0, d0), (p1, d1) = meds[0], meds[i]
         lines.append(f"{'ratio first / ' + figs[i].name[:20]:34s} " + " ".join(f"{p0[p] / p1[p]:11.2f}x" for p in PROMPTS)
-                     + f" {d0 / d1:8.2f}x")
+                     + f" {d0 / d1:8.2f}x" + (f" {dl[0] / dl[i]:8.2f}x" if long_prompt else "")
+                     + f" {figs[0].peak_rss_mib / figs[i].peak_rss_mib:8.2f}x {figs[0].load_s / figs[i].load_s:6.2f}x")
+    if figures is not None:
+        figures.extend(figs)
     lines.append("(tok/s; prefill = prompt tokens / time to the first token)")
     if json_path:
         Path(json_path).write_text(json.dumps([{"engine": f.name, "prefill": f.prefill, "decode": f.decode,
-                                                "peak_rss_mib": f.peak_rss_mib} for f in figs], indent=1))
+                                                "decode_long": f.decode_long, "peak_rss_mib": f.peak_rss_mib,
+                                                "load_s": f.load_s} for f in figs], indent=1))
     return "\n".join(lines)
