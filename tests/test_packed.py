@@ -103,9 +103,10 @@ def test_matmul_a8_matches_reference(isa, scheme, M, N, K):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("scheme", SCHEMES[::3], ids=lambda s: s.name)
-def test_matmul_a16_matches_dequantized_reference(isa, scheme):
+@pytest.mark.parametrize("M", [9, 20])  # the register path (<= 16 rows) and the dequantized-group path
+def test_matmul_a16_matches_dequantized_reference(isa, scheme, M):
     rng = np.random.default_rng(5)
-    M, N, K = 9, 37, 200
+    N, K = 37, 200
     w = rng.normal(size=(N, K)).astype(np.float32)
     x = rng.normal(size=(M, K)).astype(np.float32)
     pw = quantize_rtn("w", w, scheme)

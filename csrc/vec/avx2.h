@@ -71,6 +71,19 @@ template <int N> inline VecI shl_bits(VecI a) { return {_mm256_slli_epi16(a.v, N
 template <int N> inline VecI shr_bits(VecI a) { return {_mm256_srli_epi16(a.v, N)}; }
 inline VecI and_bytes(VecI a, uint8_t m) { return {_mm256_and_si256(a.v, _mm256_set1_epi8((char)m))}; }
 inline VecI or_bytes(VecI a, VecI b) { return {_mm256_or_si256(a.v, b.v)}; }
+// W*A16 small-M path (see vec/scalar.h): quarter Q = bytes 8Q..8Q+7 = rows 2Q, 2Q+1 x 4.
+template <int Q> inline __m128i quarter_bytes(VecI a) {
+  __m128i h = _mm256_extracti128_si256(a.v, Q / 2);
+  return Q % 2 ? _mm_srli_si128(h, 8) : h;
+}
+template <int Q> inline VecF u8_quarter(VecI a) { return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(quarter_bytes<Q>(a)))}; }
+template <int Q> inline VecF s8_quarter(VecI a) { return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(quarter_bytes<Q>(a)))}; }
+template <int Q> inline VecF x_quarter(const float* x) { return {_mm256_broadcast_ps((const __m128*)x)}; }
+template <int Q> inline VecF row_quarter(VecF d) {
+  return {_mm256_permutevar8x32_ps(d.v, _mm256_setr_epi32(2 * Q, 2 * Q, 2 * Q, 2 * Q, 2 * Q + 1, 2 * Q + 1, 2 * Q + 1, 2 * Q + 1))};
+}
+inline int64_t quarter_row(int v, int q, int l) { return v * W + 2 * q + l / 4; }
+inline int quarter_j(int q, int l) { return l % 4; }
 
 // ---- math
 inline VecF vmax(VecF a, VecF b) { return {_mm256_max_ps(a.v, b.v)}; }

@@ -71,6 +71,21 @@ template <int N> inline VecI shl_bits(VecI a) { return {_mm512_slli_epi16(a.v, N
 template <int N> inline VecI shr_bits(VecI a) { return {_mm512_srli_epi16(a.v, N)}; }
 inline VecI and_bytes(VecI a, uint8_t m) { return {_mm512_and_si512(a.v, _mm512_set1_epi8((char)m))}; }
 inline VecI or_bytes(VecI a, VecI b) { return {_mm512_or_si512(a.v, b.v)}; }
+// W*A16 small-M path (see vec/scalar.h): quarter Q = bytes 16Q..16Q+15 = rows 4Q..4Q+3 x 4.
+template <int Q> inline VecF u8_quarter(VecI a) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(a.v, Q)))};
+}
+template <int Q> inline VecF s8_quarter(VecI a) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(a.v, Q)))};
+}
+template <int Q> inline VecF x_quarter(const float* x) { return {_mm512_broadcast_f32x4(_mm_loadu_ps(x))}; }
+template <int Q> inline VecF row_quarter(VecF d) {
+  const int b = 4 * Q;
+  return {_mm512_permutexvar_ps(_mm512_setr_epi32(b, b, b, b, b + 1, b + 1, b + 1, b + 1, b + 2, b + 2, b + 2, b + 2,
+                                                  b + 3, b + 3, b + 3, b + 3), d.v)};
+}
+inline int64_t quarter_row(int v, int q, int l) { return 4 * q + l / 4; }
+inline int quarter_j(int q, int l) { return l % 4; }
 
 // ---- math
 inline VecF vmax(VecF a, VecF b) { return {_mm512_max_ps(a.v, b.v)}; }

@@ -62,6 +62,17 @@ template <int N> inline VecI shl_bits(VecI a) { return {(int32_t)((uint32_t)a.v 
 template <int N> inline VecI shr_bits(VecI a) { return {(int32_t)((uint32_t)a.v >> N)}; }
 inline VecI and_bytes(VecI a, uint8_t m) { return {(int32_t)((uint32_t)a.v & (0x01010101u * m))}; }
 inline VecI or_bytes(VecI a, VecI b) { return {a.v | b.v}; }
+// The W*A16 small-M path (matmul.inc): a VecI's bytes as 4 float vectors
+// ("quarters": lanes (row, j) on the wide tiers, here byte Q of the row),
+// the 4 activations a quarter's lanes multiply, and a row-layout vector
+// spread to a quarter's lanes.
+template <int Q> inline VecF u8_quarter(VecI a) { return {(float)(((uint32_t)a.v >> (8 * Q)) & 0xFF)}; }
+template <int Q> inline VecF s8_quarter(VecI a) { return {(float)(int8_t)((uint32_t)a.v >> (8 * Q))}; }
+template <int Q> inline VecF x_quarter(const float* x) { return {x[Q]}; }
+template <int Q> inline VecF row_quarter(VecF d) { return d; }
+// Lane l of quarter Q of vector v holds row v W + ..., element j of the 4.
+inline int64_t quarter_row(int v, int q, int l) { return v; }
+inline int quarter_j(int q, int l) { return q; }
 
 // ---- math
 inline VecF vmax(VecF a, VecF b) { return {a.v > b.v ? a.v : b.v}; }
