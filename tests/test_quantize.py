@@ -211,7 +211,7 @@ def test_quality_against_the_float_model(float_reference, stories_hf, stories_sa
     ids, ref = float_reference
     # The float path agrees with transformers to fp32 rounding: the KL floor is ~0.
     # fp32 KV throughout: this measures what the weight schemes cost, nothing else.
-    floor, top1 = _kl_top1(ref, LLM(stories_hf, max_model_len=512, kv_dtype="f32").logits(ids))
+    floor, top1 = _kl_top1(ref, LLM(stories_hf, max_model_len=512, kv_dtype="f32", quantize="none").logits(ids))
     assert floor < 1e-8 and top1 == 1.0
     kl = {}
     for scheme, (max_kl, min_top1) in QUALITY.items():

@@ -100,7 +100,7 @@ def test_qwen2_hf_folder_matches_transformers(qwen_tied, qwen_untied, fuse):
         assert "output" in m.weights or m.config.tie_word_embeddings
         assert {n for n in m.weights if n.endswith(".bias")} == {f"blk.{i}.attn_{p}.bias" for i in range(2)
                                                                  for p in "qkv"}
-        _check_fp32(LLM(folder, max_model_len=256, kv_dtype="f32", fuse=fuse), model, fuse)
+        _check_fp32(LLM(folder, max_model_len=256, kv_dtype="f32", fuse=fuse, quantize="none"), model, fuse)
 
 
 def test_qwen2_gguf_from_llama_cpp_converter_matches_transformers(qwen_tied):
@@ -116,7 +116,7 @@ def test_qwen2_gguf_from_llama_cpp_converter_matches_transformers(qwen_tied):
 
     assert dataclasses.replace(m.config, name=hf_cfg.name, max_position_embeddings=hf_cfg.max_position_embeddings,
                                attention_bias=hf_cfg.attention_bias) == hf_cfg
-    llm = LLM(ggufs["f32"], max_model_len=256, kv_dtype="f32")
+    llm = LLM(ggufs["f32"], max_model_len=256, kv_dtype="f32", quantize="none")
     assert llm.tokenizer.encode("Hello, 123 world") == LLM(folder, max_model_len=256).tokenizer.encode(
         "Hello, 123 world")
     _check_fp32(llm, model, fused=True)

@@ -68,7 +68,10 @@ def test_runner_and_engine_read_the_config(stories_hf):
     assert e.blocks.block_size == r.block_size == 8 and e.blocks.num_blocks == 25  # ceil(200 / 8)
     assert r.n_threads == 1 and r.max_tokens == 40 and r.max_seqs == 3
     assert r.fusion_log == [] and e.blocks.enable_caching is False
-    assert not any(w.packed for w in r.weights.values())  # fp32 weights and no scheme: nothing to pack
+    # an fp32 checkpoint: its matrices become int8_g32 by default (RuntimeConfig.float_scheme) ...
+    assert {w.dtype for w in r.weights.values() if w.kind.quantizable} == {"pk_i8"}
+    kept = LLM(stories_hf, max_model_len=64, quantize="none", kernels="a16")  # ... or stay fp32
+    assert not any(w.packed for w in kept.engine.runner.weights.values())
     q = LLM(stories_hf, max_model_len=64, quantize="int8_g32", kernels="a16")
     assert q.engine.runner.weights["blk.0.attn_qkv"].dtype == "pk_i8"
     with pytest.raises(RequestError, match="max_model_len=1000 must be in 2..512"):  # the model's own limit

@@ -21,7 +21,7 @@ from llamajet.engine.sampling import SamplingParams
 from llamajet.engine.sequence import Sequence
 from llamajet.errors import RequestError
 from llamajet.loaders import load_model
-from llamajet.loaders.gguf import release_file_pages
+from llamajet.loaders.gguf import release_file_pages, trim_heap
 from llamajet.models import default_model_path
 from llamajet.tokenizer import load_tokenizer, tokenizer_from_gguf
 
@@ -72,6 +72,8 @@ class LLM:
         self.engine = Engine(ModelRunner(self.model, self.runtime), self.tokenizer)
         if self.model.gguf_reader is not None and self.runtime.repack:
             release_file_pages(self.model)  # repacked: the file's pages are no longer read
+        else:
+            trim_heap()
         self.async_engine = AsyncEngine(self.engine)
 
     # -- info

@@ -64,7 +64,9 @@ def compile_graph(model: LoadedModel, cfg: RuntimeConfig,
     architecture's graph (model/registry.py), and the fusion passes (fused
     weights stacked once, here; the parts no node reads are dropped).
     `before_passes` sees the graph as built (e.g. `llamajet graph`'s summary)."""
-    weights = prepare_weights(model.weights, repack=cfg.repack, scheme=cfg.quantize, isa=cfg.isa,
+    release = page_releaser(model)
+    weights = prepare_weights(model.weights, repack=cfg.repack, scheme=cfg.load_scheme,
+                              float_scheme=cfg.float_scheme, isa=cfg.isa, release=release,
                               n_threads=cfg.n_threads)
     graph = registry.get(model.config.architecture).build(model.config, weights, cfg.max_model_len)
     if before_passes is not None:
@@ -73,7 +75,7 @@ def compile_graph(model: LoadedModel, cfg: RuntimeConfig,
     log = fuse_graph(graph, FusionContext(act_int8=cfg.act_int8)) if cfg.fuse else []
     # the deferred GGUF repacks, each straight into its final (stacked) buffer,
     # the file's pages released tensor by tensor (formats/pending.py)
-    graph.weights.update(materialize(graph.weights, cfg.n_threads, release=page_releaser(model)))
+    graph.weights.update(materialize(graph.weights, cfg.n_threads, release=release))
     return CompiledGraph(graph, log)
 
 

@@ -8,6 +8,8 @@ repack=True (the packed kernels, W*A8 or W*A16):
   - with `scheme`, every quantizable float matrix (MATRIX, EMBEDDING) is
     RTN-quantized to it by the C++ quantizer (bit for bit formats.packed's
     numpy rule), on `n_threads` threads of tier `isa`;
+  - without `scheme`, float matrices (an HF checkpoint's) are RTN'd to
+    `float_scheme` (RuntimeConfig.float_scheme: int8_g32 by default);
   - weights already packed (a saved model) pass through as mapped, unless
     `scheme` names another scheme (then re-quantized from their values).
 repack=False (the reference kernels): weights as loaded, dequantized block by
@@ -19,23 +21,34 @@ checkpoint stores them in its own dtype: a few KB per layer, copied once).
 
 from __future__ import annotations
 
+import numpy as np
+
 from llamajet import ops
 from llamajet.errors import LlamajetError
 from llamajet.formats.gguf_blocks import LOSSLESS
 from llamajet.formats.pending import deferred_twin
 from llamajet.formats.schemes import rtn_scheme
-from llamajet.formats.layout import BlockFormat, get_format
+from llamajet.formats.layout import BlockFormat, FloatFormat, get_format
 from llamajet.formats.weight import Kind, Weight, float_weight
 
 
 def prepare_weights(weights: dict[str, Weight], *, repack: bool = True, scheme: str | None = None,
-                    isa: str | None = None, n_threads: int | None = None) -> dict[str, Weight]:
-    """Returns a new name -> Weight dict; untouched weights are the same objects."""
-    if scheme is not None and not repack:
+                    float_scheme: str | None = None, isa: str | None = None, n_threads: int | None = None,
+                    release=None) -> dict[str, Weight]:
+    """Returns a new name -> Weight dict; untouched weights are the same objects.
+    float_scheme: the scheme float matrices (only) are RTN'd to when `scheme` is None.
+    release(w): called with each source weight once it was quantized (its file pages can go)."""
+    if (scheme is not None or float_scheme is not None) and not repack:
         raise LlamajetError("a quantization scheme needs the packed kernels (kernels='fast' or 'a16')")
     sch = rtn_scheme(scheme) if scheme else None
+    fsch = rtn_scheme(float_scheme) if float_scheme and not scheme else None
     out = {}
     for name, w in weights.items():
+        if fsch is not None and w.kind.quantizable and isinstance(w.format, FloatFormat):
+            out[name] = w.with_data(name, fsch, w.shape, _rtn(fsch, w, isa, n_threads, release))
+            if release is not None:
+                release(w)
+            continue
         if w.kind in (Kind.NORM, Kind.BIAS) and w.dtype != "f32":
             out[name] = float_weight(name, w.kind, w.to_f32())
         elif not w.kind.quantizable:
@@ -47,10 +60,33 @@ def prepare_weights(weights: dict[str, Weight], *, repack: bool = True, scheme: 
         elif w.packed and (sch is None or w.scheme == sch):
             out[name] = w  # already in the kernels' layout (a saved model): used as mapped, no copy
         elif sch is not None:
-            data = ops.quantize_packed(sch.code, sch.group_for(w.shape[1]), w.to_f32(), isa, n_threads)
-            out[name] = w.with_data(name, sch, w.shape, data)
+            out[name] = w.with_data(name, sch, w.shape, _rtn(sch, w, isa, n_threads, release))
+            if release is not None:
+                release(w)
         elif w.dtype in LOSSLESS:
             out[name] = deferred_twin(w)  # written once, into its final buffer (formats/pending.py)
         else:
             out[name] = w
+    return out
+
+
+_SLAB = 2048  # rows quantized per call: one slab's fp32 copy is the transient (16 MB at K = 2048)
+
+
+def _rtn(sch, w: Weight, isa, n_threads, release=None):
+    """RTN of w to scheme sch in slabs of rows, so the fp32 copy a float (or
+    block) matrix passes through is one slab's, not the whole matrix's (a
+    Llama-3 embedding table in fp32 is 1 GiB). Slabs are whole tiles, so the
+    packed slabs are consecutive tiles of the result."""
+    n, k = w.shape
+    g = sch.group_for(k)
+    if n <= _SLAB or isinstance(w.format, BlockFormat) or w.packed:
+        return ops.quantize_packed(sch.code, g, w.to_f32(), isa, n_threads)
+    out = np.empty(sch.storage_shape((n, k)), np.uint8)
+    for r0 in range(0, n, _SLAB):
+        src = w.data[r0 : r0 + _SLAB]
+        part = ops.quantize_packed(sch.code, g, w.format.to_f32(src, (len(src), k)), isa, n_threads)
+        out[r0 // ops.TILE : r0 // ops.TILE + part.shape[0]] = part
+        if release is not None:
+            release(src)  # this slab's file pages
     return out

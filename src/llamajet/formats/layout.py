@@ -43,7 +43,10 @@ class FloatFormat:
             return np.array(data, dtype=np.float32, copy=True)
         if self.name == "f16":
             return data.astype(np.float32)
-        return (data.astype(np.uint32) << 16).view(np.float32)  # bf16: the top half of an fp32
+        out = np.empty(data.shape, np.uint32)  # bf16: the top half of an fp32 (one array, no temporaries)
+        out[...] = data
+        out <<= 16
+        return out.view(np.float32)
 
 
 @dataclass(frozen=True)

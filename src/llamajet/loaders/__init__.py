@@ -17,8 +17,8 @@ from pathlib import Path
 
 from llamajet.errors import ModelFormatError
 from llamajet.formats import saved
-from llamajet.loaders.base import LoadedModel, check_weights
-from llamajet.loaders.gguf import load_gguf, page_releaser
+from llamajet.loaders.base import LoadedModel, check_weights, page_releaser
+from llamajet.loaders.gguf import load_gguf
 from llamajet.loaders.safetensors import load_hf
 from llamajet.model import registry
 

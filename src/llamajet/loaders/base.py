@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from llamajet.config import ModelConfig
 from llamajet.errors import ModelFormatError
 from llamajet.formats.weight import Weight
@@ -61,3 +63,46 @@ def check_weights(config: ModelConfig, spec: ArchSpec, weights: dict[str, Weight
                                f"({config.num_layers} layers, attention_bias={config.attention_bias}, "
                                f"mlp_bias={config.mlp_bias})")
     return config
+
+
+def page_releaser(model: LoadedModel):
+    """A function that drops one source weight's file pages from the resident
+    set once the weight was converted (repacked, quantized: formats/pending.py,
+    formats/convert.py), so a load never holds the whole file beside what it
+    made of it. Works for any weight that is a view of a read-only map (GGUF,
+    safetensors); others are left alone. The maps are read-only: a page read
+    again later simply faults back in."""
+    import mmap
+
+    bases: dict[int, tuple[object, int, int]] = {}
+
+    def mapping(a):
+        b = a
+        while b is not None:
+            mm = getattr(b, "_mmap", None) if not isinstance(b, mmap.mmap) else b
+            if isinstance(mm, mmap.mmap):
+                return mm
+            b = b.obj if isinstance(b, memoryview) else getattr(b, "base", None)
+        return None
+
+    def release(w) -> None:
+        a = w if isinstance(w, np.ndarray) else getattr(w, "data", None)
+        if not isinstance(a, np.ndarray):
+            return
+        mm = mapping(a)
+        if mm is None or not hasattr(mm, "madvise"):
+            return
+        if id(mm) not in bases:
+            bases[id(mm)] = (mm, np.frombuffer(mm, np.uint8).ctypes.data, len(mm))
+        _, base, size = bases[id(mm)]
+        start = a.ctypes.data - base
+        if not 0 <= start < size:
+            return
+        page = mmap.PAGESIZE
+        lo, hi = start // page * page, min(size, -(-(start + a.nbytes) // page) * page)
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        except (OSError, ValueError):  # nothing lost: the pages stay resident
+            pass
+
+    return release

@@ -72,3 +72,15 @@ def biases(graph: Graph, nodes: list[Node], name: str):
             rows = graph.weights[n.inputs["w"]].shape[0]
             out.append(float_weight(f"{name}.{len(out)}", Kind.BIAS, np.zeros(rows, np.float32)))
     return out
+
+
+def drop_unread_weights(graph: Graph, names) -> None:
+    """Weights `names` no node reads any more (the parts a pass just stacked)
+    leave the graph now, not at the end of the passes: a load then holds one
+    layer's parts beside the stacked copies, not every layer's (fuse() also
+    drops whatever is left unread at the end)."""
+    read = {t for n in graph.nodes for t in n.reads()}
+    for w in names:
+        if w in graph.weights and w not in read:
+            del graph.weights[w]
+            del graph.tensors[w]

@@ -13,7 +13,7 @@ from __future__ import annotations
 from llamajet import ops
 from llamajet.formats.stack import interleave_tiles, same_kind
 from llamajet.graph.ir import Graph
-from llamajet.graph.passes._match import biases, only_consumer, plain_matmul
+from llamajet.graph.passes._match import biases, drop_unread_weights, only_consumer, plain_matmul
 
 
 def run(graph: Graph, ctx) -> list[str]:
@@ -43,5 +43,6 @@ def run(graph: Graph, ctx) -> list[str]:
         fused = graph.add(wname, "matmul", ins, {"out": sw.outputs["out"]},
                           epilogue=ops.Epilogue.SWIGLU)
         graph.insert(pos, fused)
+        drop_unread_weights(graph, [m.inputs[k] for m in (mg, mu) for k in ("w", "bias") if k in m.inputs])
         log.append(f"gate_up: {mg.name} + {mu.name} + {sw.name} -> {wname}")
     return log

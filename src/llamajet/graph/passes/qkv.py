@@ -27,7 +27,7 @@ from __future__ import annotations
 from llamajet import ops
 from llamajet.formats.stack import rope_interleave_rows, same_kind, stack_rows
 from llamajet.graph.ir import Graph
-from llamajet.graph.passes._match import biases, only_consumer, plain_matmul
+from llamajet.graph.passes._match import biases, drop_unread_weights, only_consumer, plain_matmul
 
 
 def run(graph: Graph, ctx) -> list[str]:
@@ -77,6 +77,7 @@ def run(graph: Graph, ctx) -> list[str]:
         fused = graph.add(wname, "matmul", ins, {"out": rq.outputs["out"], "k_out": rk.outputs["out"], "v_out": v},
                           epilogue=ops.Epilogue.QKV, head_dim=hd)
         graph.insert(pos, fused)
+        drop_unread_weights(graph, [m.inputs[k] for m in (mq, mk, mv) for k in ("w", "bias") if k in m.inputs])
         log.append(f"qkv: {mq.name} + {mk.name} + {mv.name} + {rq.name} + {rk.name} -> {wname} "
                    f"[{nq}+{nk}+{nk} cols]")
     return log
