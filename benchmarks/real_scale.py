@@ -70,7 +70,7 @@ def main(argv=None) -> int:
         if name == "1b-q4_k_m":  # the saved format maps as is: its load against llama.cpp's GGUF load
             saved = d / "1b-q4_k_m.llamajet"
             if not saved.exists():
-                subprocess.run([sys.executable, "-m", "llamajet.cli", "quantize", str(path), str(saved)], check=True,
+                subprocess.run([sys.executable, "-m", "llamajet.cli", "quantize", "--scheme", "keep", str(path), str(saved)], check=True,
                                capture_output=True)
             ls = float(_load_time(str(saved)))
             verdicts.append(f"{'saved 1b':12s} {'load <= llama.cpp':18s} {ls / lc.load_s:6.2f}  "

@@ -42,8 +42,10 @@ def _llamajet_worker(conn, model, cfg, max_len, fuse=True):
 
     # no prefix cache: every round must really prefill; one step holds the 512-token prompt
     t0 = time.perf_counter()  # load: from the call to ready to generate (tokenizer and KV pool included)
+    # the KV pool holds one context, as llama.cpp's n_ctx (the same memory for the same work)
+    pool = {} if cfg.kv_cache_memory else {"kv_cache_tokens": cfg.kv_cache_tokens or max_len}
     llm = LLM(model, cfg, max_model_len=max_len, max_tokens_per_step=512, enable_prefix_caching=False,
-              max_num_seqs=1, fuse=fuse and cfg.fuse)
+              max_num_seqs=1, fuse=fuse and cfg.fuse, **pool)
     load = time.perf_counter() - t0
     conn.send(("ready", f"llamajet ({llm.isa}, {cfg.kernels}{'' if llm.runtime.fuse else ', no-fuse'})", load))
 
@@ -68,13 +70,20 @@ def _llama_cpp_worker(conn, model, cfg, max_len, fuse=True):
     load = time.perf_counter() - t0
     conn.send(("ready", f"llama.cpp {llama_cpp.__version__}", load))
 
+    n_vocab = lc.n_vocab()
+
+    def last_logits():
+        # the context's logits of the last evaluated token (Llama.scores is only
+        # written with logits_all=True in 0.3.x: argmax of it was of stale rows)
+        return np.ctypeslib.as_array(lc._ctx.get_logits(), shape=(n_vocab,))
+
     def timed(ids, n):
         lc.reset()
         t = time.perf_counter()
         lc.eval(ids)
         for _ in range(n - 1):  # the same greedy loop llamajet runs
-            lc.eval([int(np.argmax(lc.scores[lc.n_tokens - 1]))])
-        int(np.argmax(lc.scores[lc.n_tokens - 1]))
+            lc.eval([int(np.argmax(last_logits()))])
+        int(np.argmax(last_logits()))
         return time.perf_counter() - t
 
     _serve(conn, timed)
