@@ -44,11 +44,6 @@ def prepare_weights(weights: dict[str, Weight], *, repack: bool = True, scheme: 
     fsch = rtn_scheme(float_scheme) if float_scheme and not scheme else None
     out = {}
     for name, w in weights.items():
-        if fsch is not None and w.kind.quantizable and isinstance(w.format, FloatFormat):
-            out[name] = w.with_data(name, fsch, w.shape, _rtn(fsch, w, isa, n_threads, release))
-            if release is not None:
-                release(w)
-            continue
         if w.kind in (Kind.NORM, Kind.BIAS) and w.dtype != "f32":
             out[name] = float_weight(name, w.kind, w.to_f32())
         elif not w.kind.quantizable:
@@ -57,17 +52,21 @@ def prepare_weights(weights: dict[str, Weight], *, repack: bool = True, scheme: 
             if isinstance(w.format, BlockFormat) and not w.format.native:  # no kernel reads these blocks
                 w = Weight(name, w.kind, get_format("f32"), w.shape, w.to_f32(), w.rope_interleaved)
             out[name] = w
-        elif w.packed and (sch is None or w.scheme == sch):
-            out[name] = w  # already in the kernels' layout (a saved model): used as mapped, no copy
-        elif sch is not None:
-            out[name] = w.with_data(name, sch, w.shape, _rtn(sch, w, isa, n_threads, release))
-            if release is not None:
-                release(w)
+        elif (target := _rtn_target(w, sch, fsch)) is not None:
+            out[name] = w.with_data(name, target, w.shape, _rtn(target, w, isa, n_threads, release))
         elif w.dtype in LOSSLESS:
             out[name] = deferred_twin(w)  # written once, into its final buffer (formats/pending.py)
         else:
-            out[name] = w
+            out[name] = w  # already in the kernels' layout (a saved model): used as mapped, no copy
     return out
+
+
+def _rtn_target(w: Weight, sch, fsch):
+    """The scheme quantizable weight w is RTN'd to, or None: `scheme` for every
+    weight not already in it, else float_scheme for float matrices."""
+    if sch is not None:
+        return None if w.packed and w.scheme == sch else sch
+    return fsch if isinstance(w.format, FloatFormat) else None
 
 
 _SLAB = 2048  # rows quantized per call: one slab's fp32 copy is the transient (16 MB at K = 2048)
@@ -77,11 +76,15 @@ def _rtn(sch, w: Weight, isa, n_threads, release=None):
     """RTN of w to scheme sch in slabs of rows, so the fp32 copy a float (or
     block) matrix passes through is one slab's, not the whole matrix's (a
     Llama-3 embedding table in fp32 is 1 GiB). Slabs are whole tiles, so the
-    packed slabs are consecutive tiles of the result."""
+    packed slabs are consecutive tiles of the result. release(src): each
+    slab's (or the whole matrix's) source once quantized."""
     n, k = w.shape
     g = sch.group_for(k)
     if n <= _SLAB or isinstance(w.format, BlockFormat) or w.packed:
-        return ops.quantize_packed(sch.code, g, w.to_f32(), isa, n_threads)
+        data = ops.quantize_packed(sch.code, g, w.to_f32(), isa, n_threads)
+        if release is not None:
+            release(w)  # its file pages
+        return data
     out = np.empty(sch.storage_shape((n, k)), np.uint8)
     for r0 in range(0, n, _SLAB):
         src = w.data[r0 : r0 + _SLAB]

@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from llamajet import ops
-from llamajet.formats.packed import pack_parts
+from llamajet.formats.packed import _pad, pack_parts
 from llamajet.formats.schemes import get_scheme
 from llamajet.formats.weight import Weight
 
@@ -107,10 +107,6 @@ def decode_blocks(dtype: str, blocks: np.ndarray):
 
 def twin_scheme(w: Weight):
     """The packed scheme holding GGUF block weight w without loss (checked)."""
-    return _check(w)
-
-
-def _check(w: Weight):
     if w.dtype not in LOSSLESS:
         raise ValueError(f"{w.name}: cannot repack {w.dtype!r} without loss")
     sch = get_scheme(LOSSLESS[w.dtype])
@@ -127,7 +123,7 @@ def repack_gguf(w: Weight, n_threads: int | None = None, out: np.ndarray | None 
     file) on n_threads threads. With `out` (uint8), its tiles go to out at
     byte offset + t * tile_stride instead (a stacked or interleaved matrix:
     formats/stack.py) and None is returned."""
-    sch = _check(w)
+    sch = twin_scheme(w)
     dst = out if out is not None else np.empty(sch.storage_shape(w.shape), np.uint8)
     ops.repack_gguf(w.dtype, w.data, w.shape, dst, offset, tile_stride, n_threads)
     if out is not None:
@@ -138,18 +134,16 @@ def repack_gguf(w: Weight, n_threads: int | None = None, out: np.ndarray | None 
 def repack_gguf_reference(w: Weight) -> Weight:
     """repack_gguf in numpy (decode_blocks + formats.packed.pack_parts), a
     slab of rows at a time: the specification the C++ repack is tested against."""
-    sch = _check(w)
+    sch = twin_scheme(w)
     n, k = w.shape
-    qk = 256 if w.dtype.endswith("_k") else ops.QK  # elements per GGUF block
-    blocks = np.asarray(w.data).view(np.uint8).reshape(n, k // qk, -1)
+    blocks = np.asarray(w.data).view(np.uint8).reshape(n, k // w.format.block_elems, -1)
     out = np.empty(sch.storage_shape((n, k)), np.uint8)
     for r0 in range(0, n, _SLAB_ROWS):
         r1 = min(n, r0 + _SLAB_ROWS)
         codes, parts = decode_blocks(w.dtype, blocks[r0:r1])
-        pad = -(-(r1 - r0) // ops.TILE) * ops.TILE - (r1 - r0)
-        if pad:  # padded rows are zero
-            codes = np.concatenate([codes, np.zeros((pad, k), codes.dtype)])
-            parts = {p: np.concatenate([a, np.zeros((pad, a.shape[1]), a.dtype)]) for p, a in parts.items()}
+        n_pad = -(-(r1 - r0) // ops.TILE) * ops.TILE  # padded rows are zero
+        codes = _pad(codes, n_pad, k)
+        parts = {p: _pad(a, n_pad, a.shape[1]) for p, a in parts.items()}
         t0 = r0 // ops.TILE
-        pack_parts(w.name, sch, (r1 - r0, k), codes, parts, out=out[t0 : t0 + codes.shape[0] // ops.TILE])
+        pack_parts(w.name, sch, (r1 - r0, k), codes, parts, out=out[t0 : t0 + n_pad // ops.TILE])
     return Weight(w.name, w.kind, sch, (n, k), out, w.rope_interleaved)

@@ -155,29 +155,15 @@ def unpack(w: Weight):
 
 def dequantize_data(scheme: QuantScheme, data: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
     """float64 [N, K] values of packed storage: the fp32 operations of
-    gguf.quants' dequantization for the GGUF twins (so equal bit for bit)."""
+    gguf.quants' dequantization for the GGUF twins (so equal bit for bit):
+    d * (c - bias), or d * c + m (m = -DM * mn for the K-quants)."""
     codes, parts = unpack_parts(scheme, data, shape)
     g, n_pad, k_pad, _, ng = _geometry(scheme, shape)
-    S, kind = scheme.super, scheme.kind
+    d, m, bias = group_scales(scheme, parts)  # fp32 values, held in float64 exactly
     f32 = np.float32
-    if kind in ("pk_q4k", "pk_q5k", "pk_q6k"):
-        D = np.repeat(parts["D"].astype(f32), S, axis=1)[..., None]
-        d = D * parts["sc"].astype(f32)[..., None]
-        c = codes.reshape(n_pad, ng, g).astype(f32)
-        if kind == "pk_q6k":
-            w = d * (c - f32(32))
-        else:
-            dm = np.repeat(parts["DM"].astype(f32), S, axis=1)[..., None] * parts["mn"].astype(f32)[..., None]
-            w = d * c - dm
-    else:
-        c = codes.astype(f32).reshape(n_pad, ng, g)
-        dd = parts["d"].astype(f32)[..., None]
-        if scheme.bits == 8:
-            w = dd * c
-        elif scheme.symmetric:
-            w = dd * (c - f32(16 if scheme.bits == 5 else 8))
-        else:
-            w = dd * c + parts["m"].astype(f32)[..., None]
+    c = codes.astype(f32).reshape(n_pad, ng, g)
+    dd = d.astype(f32)[..., None]
+    w = dd * (c - f32(bias)) if m is None else dd * c + m.astype(f32)[..., None]
     return w.astype(np.float64).reshape(n_pad, k_pad)[: shape[0], : shape[1]]
 
 
