@@ -29,27 +29,59 @@ class AsyncEngine:
         self._wake: asyncio.Event | None = None
         self._driver: asyncio.Task | None = None
 
-    async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[StreamEvent]:
-        """Yields the request's StreamEvents as its tokens are generated.
-        A bad request raises RequestError before anything is queued; leaving
-        the loop early aborts the request (its blocks are freed)."""
-        seq = self.engine.new_sequence(prompt_ids, params)
+    async def stream(self, prompt_ids: list[int], params: SamplingParams,
+                     constraint=None, on_open=None) -> AsyncIterator[StreamEvent]:
+        """Yields the request's StreamEvents as its tokens are generated (with
+        params.n > 1, every choice's, told apart by `index`; it ends when all
+        have finished). A bad request raises RequestError before anything is
+        queued; leaving the loop early aborts the request (its blocks are
+        freed at the next step). on_open(sequences) is called once they
+        exist (a server reads their timing and cache counts)."""
+        seq = self.engine.new_sequence(prompt_ids, params, constraint)
+        group = [seq, *seq.forks]
+        if on_open is not None:
+            on_open(group)
         q: asyncio.Queue = asyncio.Queue()
-        self._queues[seq.id] = q
+        for s in group:
+            self._queues[s.id] = q
         self.engine.post("add", seq)
         self._kick()
+        done: set[int] = set()  # choices that ended (a forced abort may race a step's last events)
         try:
-            while True:
+            while len(done) < len(group):
                 ev = await q.get()
                 if isinstance(ev, BaseException):
                     raise ev
-                yield ev
+                if ev.index in done:
+                    continue
                 if ev.finish_reason is not None:
-                    return
+                    done.add(ev.index)
+                yield ev
         finally:
-            self._queues.pop(seq.id, None)
-            if not seq.finished:
-                self.engine.post("abort", seq)  # taken in by the next step, whoever runs it
+            for s in group:
+                self._queues.pop(s.id, None)
+            if any(not s.finished for s in group):
+                for s in group:
+                    self.engine.post("abort", s)  # taken in by the next step, whoever runs it
+                if self._wake is not None:
+                    self._wake.set()
+
+    def abort_all(self, reason: str = "abort") -> int:
+        """Ends every request in flight (from the event loop's thread): each
+        stream gets a last event with finish_reason `reason`. Returns how many
+        were ended. Used by a server's forced drain."""
+        eng, n = self.engine, 0
+        pending = [s for what, s in list(eng._inbox) if what == "add"]
+        for seq in list(eng.scheduler.running) + list(eng.scheduler.waiting) + pending:
+            for s in [seq, *seq.forks]:
+                eng.post("abort", s)
+                q = self._queues.get(s.id)
+                if q is not None:
+                    q.put_nowait(StreamEvent(None, "", reason, s.index))
+                    n += 1
+        if self._wake is not None:
+            self._wake.set()
+        return n
 
     def _kick(self) -> None:
         """Wakes this loop's driver, starting one if needed."""

@@ -19,16 +19,16 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import numpy as np
 
 from llamajet.engine.block_manager import BlockManager, kv_slot
 from llamajet.engine.runner import ModelRunner, StepBatch
-from llamajet.engine.sampling import SamplingParams
+from llamajet.engine.sampling import SamplingParams, log_softmax, top_logprobs
 from llamajet.engine.scheduler import Scheduler
-from llamajet.engine.sequence import Sequence, StreamEvent, TextStream
+from llamajet.engine.sequence import Sequence, Status, StreamEvent, TextStream
 from llamajet.errors import RequestError
 
 __all__ = ["Engine", "EngineStats", "RequestStats", "StreamEvent"]
@@ -95,6 +95,9 @@ class Engine:
         served: bad prompt, or longer at its longest than the whole KV pool
         (it would preempt itself forever)."""
         self.check_prompt(ids)
+        if params.n > self.scheduler.max_num_seqs:
+            raise RequestError(f"n={params.n} choices but the engine runs at most "
+                               f"{self.scheduler.max_num_seqs} sequences at once (max_num_seqs)")
         longest = min(len(ids) + params.max_tokens, self.max_model_len)
         need = self.blocks.blocks_for(longest)
         if need > self.blocks.num_blocks:
@@ -104,14 +107,24 @@ class Engine:
                 f"{params.max_tokens} new) but the pool holds {self.blocks.num_blocks * bs} "
                 f"({self.blocks.num_blocks} blocks of {bs}); lower max_tokens or raise kv_cache_tokens")
 
-    def new_sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-        """A validated Sequence for the request (not yet queued)."""
+    def new_sequence(self, prompt_ids: list[int], params: SamplingParams, constraint=None) -> Sequence:
+        """A validated Sequence for the request (not yet queued). With
+        params.n > 1 it carries the other choices in `forks`; constraint: a
+        sampling.Constraint for structured output (each choice gets a copy)."""
         ids = [int(t) for t in prompt_ids]
         self.check_request(ids, params)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= set(self.tokenizer.stop_ids)
-        return Sequence(ids, params, frozenset(stop_ids), TextStream(self.tokenizer.stream_decoder(), params.stop))
+        stop_ids = frozenset(stop_ids)
+
+        def one(i: int, c) -> Sequence:
+            return Sequence(ids, params, stop_ids, TextStream(self.tokenizer.stream_decoder(), params.stop, i),
+                            index=i, constraint=c)
+
+        seq = one(0, constraint)
+        seq.forks = [one(i, constraint.copy() if constraint is not None else None) for i in range(1, params.n)]
+        return seq
 
     def add_request(self, prompt_ids: list[int] | Sequence, params: SamplingParams | None = None) -> Sequence:
         """Queues a request; it joins the running batch at the next step.
@@ -121,7 +134,10 @@ class Engine:
         return seq
 
     def abort(self, seq: Sequence) -> None:
-        """Ends `seq` now and frees its blocks (from the stepping thread)."""
+        """Ends `seq` (and its choices not yet started) now and frees its
+        blocks (from the stepping thread)."""
+        for child in seq.forks:
+            self.abort(child)
         if not seq.finished:
             self.scheduler.finish(seq, "abort")
             seq.finish_time = time.perf_counter()
@@ -156,9 +172,10 @@ class Engine:
         st = self.stats
         st.steps += 1
         st.tokens += out.num_tokens
-        # Plain greedy rows (no penalty: the sampler's own rule is this argmax,
-        # first index on ties) from the step's argmax op (runner.greedy_ids).
-        plain = [s.seq.sampler.params.greedy and s.seq.sampler.params.repetition_penalty == 1.0
+        # Plain greedy rows (nothing changes the logits: the sampler's own rule
+        # is this argmax, first index on ties) from the step's argmax op
+        # (runner.greedy_ids).
+        plain = [s.seq.params.plain_greedy and s.seq.constraint is None and not s.seq.forks
                  for s in out.scheduled if s.logits]
         argmax = self.runner.greedy_ids(len(plain)) if any(plain) else None
         touched, row = [], 0
@@ -167,7 +184,7 @@ class Engine:
             seq.num_computed = s.start + s.num_tokens
             self.blocks.cache_blocks(seq)
             if s.logits:
-                self._append(seq, logits[row], int(argmax[row]) if plain[row] else None)
+                self._append(seq, logits[row], int(argmax[row]) if plain[row] else None, touched)
                 row += 1
                 touched.append(seq)
         for seq in self.scheduler.running:  # KV use vs tokens held, after this step
@@ -175,23 +192,55 @@ class Engine:
             st.kv_tokens_held += seq.num_computed
         return touched
 
-    def _append(self, seq: Sequence, logits: np.ndarray, tok: int | None = None) -> None:
+    def _fork(self, seq: Sequence, logits: np.ndarray, touched: list[Sequence] | None) -> None:
+        """Starts seq's other choices at its first draw: each shares seq's
+        blocks (the prompt is computed once; copy-on-write after) and draws
+        its own first token from the same logits row."""
+        forks, seq.forks = seq.forks, []
+        for child in forks:
+            if child.finished:  # aborted before it started
+                continue
+            self.blocks.fork(seq, child)
+            child.status = Status.RUNNING
+            child.num_cached_tokens = seq.num_cached_tokens
+            child.arrival_time = seq.arrival_time
+            child.admit_time = seq.admit_time
+            self.scheduler.running.append(child)
+            self._append(child, logits)
+            if touched is not None:
+                touched.append(child)
+
+    def _append(self, seq: Sequence, logits: np.ndarray, tok: int | None = None,
+                touched: list[Sequence] | None = None) -> None:
         """Samples seq's next token from its logits row (tok: already chosen
         greedily); stops it if done."""
+        if seq.forks:
+            self._fork(seq, logits, touched)
+        c = seq.constraint
         if tok is None:
-            tok = seq.sampler(logits, seq.token_ids)
+            allowed = c.allowed(logits.shape[-1]) if c is not None else None
+            tok = seq.sampler(logits, seq.token_ids, seq.num_prompt, allowed)
+        lp, top = None, ()
+        if seq.params.logprobs is not None:
+            ls = log_softmax(logits)
+            lp, top = float(ls[tok]), top_logprobs(ls, seq.params.logprobs)
         now = time.perf_counter()
         if seq.first_token_time is None:
             seq.first_token_time = now
         self.stats.generated += 1
+        if c is not None:
+            c.consume(tok)
         if tok in seq.stop_ids:  # a stop token ends the sequence and is not part of it
             seq.events.append(seq.text.push(tok, "stop"))
             return self._finish(seq, "stop")
         seq.token_ids.append(tok)
         done = seq.num_output >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
-        ev = seq.text.push(tok, "length" if done else None)
+        grammar_done = c is not None and c.is_done()
+        ev = seq.text.push(tok, "length" if done and not grammar_done else "end" if grammar_done else None)
+        if lp is not None:
+            ev = replace(ev, logprob=lp, top_logprobs=top)
         seq.events.append(ev)
-        if ev.finish_reason is not None:  # length, or a stop string completed
+        if ev.finish_reason is not None:  # length, or a stop string completed, or the grammar's end
             self._finish(seq, ev.finish_reason)
 
     def _finish(self, seq: Sequence, reason: str) -> None:

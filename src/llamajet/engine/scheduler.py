@@ -22,6 +22,7 @@ make room. So preemption never loops and no request fails for lack of space.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -96,8 +97,11 @@ class Scheduler:
                 continue
             break  # seq preempted itself: it was the newest, nothing after it
         # 2. admissions, in arrival order
-        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
-               and not out.preempted):
+        # Choices of n > 1 requests not yet forked hold their places: they join
+        # `running` at their parent's first draw.
+        reserved = len(self.running) + sum(len(s.forks) for s in self.running)
+        while (self.waiting and budget > 0 and not out.preempted
+               and reserved + 1 + len(self.waiting[0].forks) <= self.max_num_seqs):
             seq = self.waiting[0]
             hits = self.blocks.match_prefix(seq) if seq.num_computed == 0 else []
             # At least the last token is computed (its logits give the next
@@ -108,10 +112,13 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
+            if seq.admit_time is None:
+                seq.admit_time = time.perf_counter()
             seq.num_computed = start
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = start
             self.running.append(seq)
+            reserved += 1 + len(seq.forks)
             out.scheduled.append(ScheduledSeq(seq, start, n, start + n == seq.num_tokens))
             budget -= n
         out.copies = self.blocks.take_copies()

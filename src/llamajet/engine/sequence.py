@@ -33,6 +33,9 @@ class StreamEvent:
     token_id: int | None   # the new token (None on the final event of a stop token)
     text: str              # newly completed text (never half a UTF-8 character)
     finish_reason: str | None = None
+    index: int = 0         # which choice of an n > 1 request
+    logprob: float | None = None  # of token_id, when the request asked for logprobs
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (id, logprob), most likely first
 
 
 _ids = itertools.count()
@@ -43,12 +46,17 @@ class Sequence:
     `block_table`, `num_computed`, `block_hashes`, `num_cached_blocks`."""
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, stop_ids: frozenset[int] = frozenset(),
-                 text: TextStream | None = None) -> None:
+                 text: TextStream | None = None, index: int = 0, constraint=None) -> None:
         self.id = next(_ids)
+        self.index = index  # choice number within its request (n > 1)
+        # Choices 1..n-1 of an n > 1 request, not started yet: at the first
+        # draw they fork off this sequence (sharing its prompt's KV blocks).
+        self.forks: list[Sequence] = []
+        self.constraint = constraint  # a sampling.Constraint, or None
         self.token_ids: list[int] = list(prompt_ids)  # prompt, then output
         self.num_prompt = len(prompt_ids)
         self.params = params
-        self.sampler = Sampler(params)
+        self.sampler = Sampler(params, index)
         self.stop_ids = stop_ids
         self.text = text
         self.status = Status.WAITING
@@ -66,6 +74,7 @@ class Sequence:
         self.events: deque[StreamEvent] = deque()
         # Timing (perf_counter seconds).
         self.arrival_time = time.perf_counter()
+        self.admit_time: float | None = None  # first admitted to the running batch
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
 
@@ -95,33 +104,36 @@ class TextStream:
     only; a stop string cuts the text before it (and ends the sequence); text
     that could still be the start of a stop string is held back."""
 
-    def __init__(self, decoder, stop: tuple[str, ...]) -> None:
+    def __init__(self, decoder, stop: tuple[str, ...], index: int = 0) -> None:
         self.dec = decoder
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=0)
         self.pending = ""
+        self.index = index  # the choice whose events these are
 
     def push(self, tok: int, reason: str | None) -> StreamEvent:
         """The event for new token `tok`. reason: "stop" when `tok` is a stop
         token (not part of the output), "length" when it is the last token,
+        "end" when it completes a structured output (finish_reason "stop"),
         else None. The event's finish_reason is "stop" also when a stop string
         completed (the caller then finishes the sequence)."""
+        i = self.index
         if reason == "stop":  # a stop token: flush and end
             text = self.pending + self.dec.flush()
             cut = _find_stop(text, self.stop)
-            return StreamEvent(None, text if cut is None else text[:cut], "stop")
+            return StreamEvent(None, text if cut is None else text[:cut], "stop", i)
         self.pending += self.dec.push(tok)
         if reason is not None:
             self.pending += self.dec.flush()
         cut = _find_stop(self.pending, self.stop)
         if cut is not None:
-            return StreamEvent(tok, self.pending[:cut], "stop")
+            return StreamEvent(tok, self.pending[:cut], "stop", i)
         if reason is not None:
-            return StreamEvent(tok, self.pending, reason)
+            return StreamEvent(tok, self.pending, "stop" if reason == "end" else reason, i)
         # emit all but a tail that could still be the start of a stop string
         keep = _stop_prefix_len(self.pending, self.stop) if self.hold else 0
         emit, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep:]
-        return StreamEvent(tok, emit, None)
+        return StreamEvent(tok, emit, None, i)
 
 
 def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:

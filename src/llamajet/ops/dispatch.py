@@ -8,6 +8,7 @@ not a silent fallback.
 
 from __future__ import annotations
 
+import math
 import os
 from functools import lru_cache
 
@@ -64,5 +65,33 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
-def default_threads() -> int:
-    return physical_cores()
+def cgroup_cpu_limit(root: str = "/sys/fs/cgroup") -> float | None:
+    """The CPU quota of this process's cgroup in CPUs (cgroup v2 `cpu.max`,
+    else v1 `cpu.cfs_quota_us / cpu.cfs_period_us`), None when unlimited or
+    unknown. A container limited to 2 CPUs on a 64-core node reports 64
+    cores everywhere else; threads beyond its quota are throttled, and a
+    throttled matmul thread stalls every other one at the next barrier."""
+    try:
+        with open(os.path.join(root, "cpu.max")) as f:
+            quota, period = f.read().split()[:2]
+        return None if quota == "max" else max(int(quota) / int(period), 0.0) or None
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(os.path.join(root, "cpu", "cpu.cfs_quota_us")) as f:
+            quota = int(f.read())
+        with open(os.path.join(root, "cpu", "cpu.cfs_period_us")) as f:
+            period = int(f.read())
+        return quota / period if quota > 0 and period > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+def default_threads(root: str = "/sys/fs/cgroup") -> int:
+    """Physical cores, capped by the cgroup's CPU quota (rounded up: 1.5 CPUs
+    -> 2 threads)."""
+    n = physical_cores()
+    quota = cgroup_cpu_limit(root)
+    if quota is not None:
+        n = min(n, max(1, math.ceil(quota)))
+    return n

@@ -3,6 +3,7 @@ facts generation needs."""
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, Iterable
 
 import tokenizers
@@ -69,6 +70,7 @@ class Tokenizer:
             if i is not None and i in special:
                 stops.add(i)
         self.stop_ids = frozenset(stops)
+        self._byte_level: bool | None = None  # decoder kind, for token_bytes (looked up once)
 
     def __repr__(self) -> str:
         return (f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
@@ -103,6 +105,30 @@ class Tokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self.backend.id_to_token(int(i)) if 0 <= int(i) < self.vocab_size else None
 
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token `i` stands for on its own (OpenAI logprobs'
+        `bytes`): byte-level BPE pieces mapped back through GPT-2's byte
+        alphabet, SentencePiece "<0xNN>" byte pieces as that byte and its
+        "▁" as a space; a special token as its text."""
+        piece = self.id_to_token(i)
+        if piece is None:
+            return b""
+        if i in self.special_ids:
+            return piece.encode()
+        if self._byte_level is None:
+            self._byte_level = type(self.backend.decoder).__name__ == "ByteLevel"
+        if self._byte_level:
+            table = _byte_decoder()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+            return piece.encode()
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return piece.replace("\u2581", " ").encode()
+
     def stream_decoder(self) -> StreamDecoder:
         """A fresh incremental decoder for one generated sequence."""
         return StreamDecoder(self)
@@ -131,3 +157,17 @@ class Tokenizer:
 
     def _token_text(self, i: int | None) -> str:
         return (self.backend.id_to_token(i) or "") if i is not None else ""
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's printable alphabet for bytes (byte-level BPE), inverted."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
