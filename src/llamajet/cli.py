@@ -1,4 +1,4 @@
-"""The ``llamajet`` command: generate | chat | info | quantize | bench | graph.
+"""The ``llamajet`` command: generate | chat | serve | info | quantize | bench | graph.
 
 Flags mirror the API: --model is LLM(path), sampling flags are
 SamplingParams fields, and the runtime flags (--threads, --isa,
@@ -166,6 +166,36 @@ def cmd_bench(a) -> int:
     return bench_main(a)
 
 
+def cmd_serve(a) -> int:
+    import os
+
+    from llamajet.server.app import ServerSettings
+    from llamajet.server.run import serve
+
+    cfg = runtime_config(a)  # flags checked before the port opens
+    settings = ServerSettings(
+        model_name=a.served_model_name or _default_model_name(a.model),
+        api_key=a.api_key or os.environ.get("LLAMAJET_API_KEY") or None,
+        max_queued_requests=a.max_queued_requests, max_body_bytes=a.max_body_bytes,
+        drain_timeout=a.drain_timeout)
+
+    def load():
+        from llamajet.api import LLM
+
+        return LLM(a.model, cfg)
+
+    return serve(settings, load, host=a.host, port=a.port, log_level=a.log_level)
+
+
+def _default_model_name(path: str | None) -> str:
+    from pathlib import Path
+
+    if path is None:
+        return "SmolLM2-135M-Instruct"
+    p = Path(path)
+    return p.stem if p.suffix == ".gguf" else p.name
+
+
 def cmd_graph(a) -> int:
     """The step graph as ModelRunner builds it (engine/runner.py compile_graph), planned for one phase."""
     from llamajet import ops
@@ -247,6 +277,23 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--corpus", default=None, help="text the prompts are cut from (default: WikiText-2 test)")
     b.add_argument("--json", default=None, help="also write the results to this JSON file")
     b.set_defaults(fn=cmd_bench)
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, streaming, "
+                                      "structured output, tools, /metrics, /health, /ready)")
+    _add_model_args(sv)
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a container)")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--served-model-name", default=None,
+                    help="the model name clients send (default: the file or folder name)")
+    sv.add_argument("--api-key", default=None,
+                    help="require 'Authorization: Bearer KEY' on /v1 routes (or set LLAMAJET_API_KEY)")
+    sv.add_argument("--max-queued-requests", type=int, default=256,
+                    help="requests waiting for admission before new ones get 429 (default: 256)")
+    sv.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413 "
+                                                                         "(default: 4 MiB)")
+    sv.add_argument("--drain-timeout", type=float, default=30.0,
+                    help="seconds in-flight requests get after SIGTERM before they are ended (default: 30)")
+    sv.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    sv.set_defaults(fn=cmd_serve)
     gr = sub.add_parser("graph", help="the step graph after the fusion passes: each node's kernel and arena "
                                       "slot, arena size vs the naive sum of activations")
     gr.add_argument("--phase", choices=("decode", "prefill"), default="decode",

@@ -1,0 +1,565 @@
+"""`llamajet serve` through the official `openai` client and raw HTTP.
+
+The default model (SmolLM2-135M-Instruct, it has a chat template) serves
+chat, tools and structured output; stories260K (fp32) serves completions
+whose logprobs are checked against transformers. Each server runs in this
+process on a loopback port, so a test can look at the engine's block pool
+after a client goes away; SIGTERM is tested on real subprocesses."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from llamajet import LLM, SamplingParams
+
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+
+from serverlib import LiveServer, spawn  # noqa: E402
+
+M = "test-model"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_gguf):
+    srv = LiveServer(LLM(smollm2_gguf, max_model_len=1024, max_num_seqs=8))
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def stories(stories_hf):
+    srv = LiveServer(LLM(stories_hf, quantize="none", max_model_len=256, max_num_seqs=8,
+                         enable_prefix_caching=False))
+    yield srv
+    srv.close()
+
+
+def _wait(cond, timeout=30.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def _idle(srv) -> bool:
+    return srv.metric("llamajet:num_requests_running") == 0 and srv.llm.engine.blocks.num_used == 0
+
+
+# ---------------------------------------------------------------- chat and completions
+
+
+def test_models_health_ready(smol):
+    assert [m.id for m in smol.client().models.list().data] == [M]
+    assert httpx.get(smol.url + "/health").status_code == 200
+    assert httpx.get(smol.url + "/ready").status_code == 200
+
+
+def test_chat_greedy_equals_llm_generate(smol):
+    msgs = [{"role": "user", "content": "Name three colors."}]
+    r = smol.client().chat.completions.create(model=M, messages=msgs, max_tokens=24, temperature=0)
+    ids = httpx.post(smol.url + "/tokenize", json={"messages": msgs}).json()["tokens"]
+    assert ids == smol.llm.chat_ids(msgs)
+    ref = smol.llm.generate([ids], SamplingParams(max_tokens=24, temperature=0))[0]
+    assert r.choices[0].message.content == ref.text
+    assert r.choices[0].finish_reason == ref.finish_reason
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(ref.token_ids)
+    assert r.id.startswith("chatcmpl-") and r.system_fingerprint
+
+
+def test_chat_stream_one_token_per_chunk_and_usage(smol):
+    msgs = [{"role": "user", "content": "Write one sentence about the sea."}]
+    c = smol.client()
+    whole = c.chat.completions.create(model=M, messages=msgs, max_tokens=20, temperature=0)
+    chunks = list(c.chat.completions.create(model=M, messages=msgs, max_tokens=20, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == whole.choices[0].message.content
+    content_chunks = [ch for ch in chunks if ch.choices and ch.choices[0].delta.content]
+    assert len(content_chunks) <= whole.usage.completion_tokens  # never several tokens' text in one chunk ...
+    assert len(content_chunks) >= whole.usage.completion_tokens - 2  # ... and no batching of tokens
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    # the same prompt again: its blocks come from the prefix cache
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_completions_token_ids_and_string_prompts(smol):
+    c = smol.client()
+    ids = smol.llm.tokenizer.encode("The capital of France is")
+    r = c.completions.create(model=M, prompt=ids, max_tokens=8, temperature=0)
+    ref = smol.llm.generate([ids], SamplingParams(max_tokens=8, temperature=0))[0]
+    assert r.choices[0].text == ref.text
+    r2 = c.completions.create(model=M, prompt=["The capital of France is", "One, two,"], max_tokens=8,
+                              temperature=0)
+    assert [ch.index for ch in r2.choices] == [0, 1] and r2.choices[0].text == ref.text
+    streamed = list(c.completions.create(model=M, prompt="The capital of France is", max_tokens=8,
+                                         temperature=0, stream=True))
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == ref.text
+
+
+def test_n_choices_share_the_prompt(smol):
+    c = smol.client()
+    r = c.chat.completions.create(model=M, messages=[{"role": "user", "content": "Tell me a story."}],
+                                  max_tokens=12, temperature=1.0, seed=5, n=3)
+    assert sorted(ch.index for ch in r.choices) == [0, 1, 2]
+    assert len({ch.message.content for ch in r.choices}) > 1
+    # the prompt was computed once for the three (reference counts: tests/test_choices.py)
+    assert r.usage.completion_tokens == 36 or r.usage.completion_tokens < 36  # stop tokens may end one early
+    s = list(c.chat.completions.create(model=M, messages=[{"role": "user", "content": "Tell me a story."}],
+                                       max_tokens=12, temperature=1.0, seed=5, n=3, stream=True))
+    for i in range(3):
+        text = "".join(ch.choices[0].delta.content or "" for ch in s if ch.choices and ch.choices[0].index == i)
+        assert text == r.choices[i].message.content  # same seed, same choices, streamed or not
+    assert _wait(lambda: _idle(smol))
+
+
+def test_seed_reproducible(smol):
+    c = smol.client()
+    kw = dict(model=M, messages=[{"role": "user", "content": "Say something."}], max_tokens=16, temperature=1.0)
+    a = c.chat.completions.create(seed=42, **kw).choices[0].message.content
+    b = c.chat.completions.create(seed=42, **kw).choices[0].message.content
+    d = c.chat.completions.create(seed=43, **kw).choices[0].message.content
+    assert a == b and a != d
+
+
+def test_stop_strings_across_token_boundaries(smol):
+    c = smol.client()
+    kw = dict(model=M, prompt="The history of Rome begins", max_tokens=24, temperature=0)
+    full = c.completions.create(**kw).choices[0].text
+    # a stop string that starts inside one token and ends inside another
+    toks = smol.llm.tokenizer.encode(full, add_special_tokens=False)
+    pieces = [smol.llm.tokenizer.decode([t]) for t in toks]
+    k = next(i for i in range(2, len(pieces) - 1) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2)
+    start = sum(len(p) for p in pieces[:k]) + 1
+    stop = full[start:start + len(pieces[k])]
+    assert stop and stop not in pieces
+    cut = full.index(stop)
+    r = c.completions.create(stop=[stop], **kw)
+    assert r.choices[0].text == full[:cut] and r.choices[0].finish_reason == "stop"
+    streamed = list(c.completions.create(stop=[stop], stream=True, **kw))
+    assert "".join(ch.choices[0].text for ch in streamed) == full[:cut]
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_multibyte_text_streams_whole_characters(smol):
+    c = smol.client()
+    emoji = "🙂"
+    bias = {str(t): 100 for t in smol.llm.tokenizer.encode(emoji, add_special_tokens=False)}
+    assert len(bias) >= 2  # one character over several byte tokens
+    chunks = list(c.completions.create(model=M, prompt="Smile:", max_tokens=6, temperature=0, logit_bias=bias,
+                                       stream=True))
+    texts = [ch.choices[0].text for ch in chunks if ch.choices[0].text]
+    assert all("\ufffd" not in t for t in texts)
+    assert emoji in "".join(texts)
+
+
+def test_logprobs_vs_transformers(stories, stories_hf):
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    ids = stories.llm.tokenizer.encode("Once upon a time, there was a")
+    r = stories.client().completions.create(model=M, prompt=ids, max_tokens=6, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    out = stories.llm.generate([ids], SamplingParams(max_tokens=6, temperature=0))[0].token_ids
+    hf = AutoModelForCausalLM.from_pretrained(stories_hf, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids + out])).logits[0].double(), -1).numpy()
+    assert len(lp.token_logprobs) == len(out)
+    for k, t in enumerate(out):
+        assert lp.token_logprobs[k] == pytest.approx(ref[len(ids) - 1 + k, t], abs=1e-3)  # fp32 vs fp32
+        assert len(lp.top_logprobs[k]) == 3
+        assert max(lp.top_logprobs[k].values()) == pytest.approx(lp.token_logprobs[k])
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    # chat-style logprobs on the same server's completions stream
+    s = list(stories.client().completions.create(model=M, prompt=ids, max_tokens=6, temperature=0, logprobs=0,
+                                                 stream=True))
+    got = [x for ch in s for x in (ch.choices[0].logprobs.token_logprobs if ch.choices[0].logprobs else [])]
+    np.testing.assert_allclose(got, lp.token_logprobs, atol=1e-9)
+
+
+def test_chat_logprobs(smol):
+    r = smol.client().chat.completions.create(model=M, messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert "".join(bytes(e.bytes).decode("utf-8", "replace") for e in content) == r.choices[0].message.content
+    for e in content:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob == pytest.approx(e.logprob)
+
+
+# ---------------------------------------------------------------- structured output and tools
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
+                                                    "maxItems": 3}},
+          "required": ["name", "age", "tags"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_json_schema_output_validates(smol, temperature):
+    c = smol.client()
+    for seed in range(2):
+        r = c.chat.completions.create(
+            model=M, messages=[{"role": "user", "content": "Describe a person as JSON."}], max_tokens=120,
+            temperature=temperature, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+
+
+def test_json_object_and_streamed_schema(smol):
+    c = smol.client()
+    r = c.chat.completions.create(
+        model=M, messages=[{"role": "user", "content": "Give me a JSON object with a name and an age."}],
+        max_tokens=80, temperature=0, response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "stop"  # the grammar ended it: a whole object
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    s = list(c.chat.completions.create(
+        model=M, messages=[{"role": "user", "content": "Describe a person as JSON."}], max_tokens=120,
+        temperature=0.7, seed=1, stream=True, n=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}))
+    for i in range(2):
+        text = "".join(ch.choices[0].delta.content or "" for ch in s if ch.choices and ch.choices[0].index == i)
+        jsonschema.validate(json.loads(text), PERSON)
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Current time in a timezone",
+    "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 30}}, "required": ["tz"]}}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_tool_calls_are_well_formed(smol, choice):
+    c = smol.client()
+    r = c.chat.completions.create(model=M, messages=[{"role": "user", "content": "What's the weather in Paris?"}],
+                                  tools=[WEATHER, TIME], tool_choice=choice, max_tokens=100, temperature=0)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content is None
+    (call,) = ch.message.tool_calls
+    fn = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+    if isinstance(choice, dict):
+        assert call.function.name == "get_time"
+    jsonschema.validate(json.loads(call.function.arguments), fn["function"]["parameters"])
+    assert call.id.startswith("call_") and call.type == "function"
+    # streamed: the call arrives as one tool_calls delta, then [DONE]
+    s = list(c.chat.completions.create(model=M, messages=[{"role": "user", "content": "Weather in Rome?"}],
+                                       tools=[WEATHER, TIME], tool_choice=choice, max_tokens=100, temperature=0,
+                                       stream=True))
+    calls = [tc for x in s if x.choices for tc in (x.choices[0].delta.tool_calls or [])]
+    assert len(calls) == 1 and s[-1].choices[0].finish_reason == "tool_calls"
+    json.loads(calls[0].function.arguments)
+    # the call goes back in the history, with the tool's answer, and the chat continues
+    msgs = [{"role": "user", "content": "What's the weather in Paris?"},
+            {"role": "assistant", "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": "18 C, sunny"}]
+    r2 = c.chat.completions.create(model=M, messages=msgs, tools=[WEATHER, TIME], tool_choice="none", max_tokens=10)
+    assert r2.choices[0].finish_reason in ("stop", "length") and r2.choices[0].message.tool_calls is None
+
+
+# ---------------------------------------------------------------- errors and limits (raw HTTP)
+
+
+def _err(r: httpx.Response, status: int, param: str | None = "-") -> dict:
+    assert r.status_code == status, r.text
+    e = r.json()["error"]
+    assert set(e) == {"message", "type", "param", "code"} and e["message"]
+    if param != "-":
+        assert e["param"] == param
+    return e
+
+
+def test_bad_requests_get_openai_shaped_400s(smol):
+    u = smol.url + "/v1/chat/completions"
+    msgs = [{"role": "user", "content": "hi"}]
+    _err(httpx.post(u, content=b"{not json", headers={"content-type": "application/json"}), 400)
+    _err(httpx.post(u, json={"model": M, "messages": msgs, "temperature": "hot"}), 400, "temperature")
+    e = _err(httpx.post(u, json={"model": M, "messages": msgs, "functions": []}), 400, "functions")
+    assert "not implement" in e["message"]  # refused, never silently dropped
+    _err(httpx.post(u, json={"model": M, "messages": msgs, "n": 17}), 400, "n")
+    _err(httpx.post(u, json={"model": M, "messages": msgs, "logprobs": True, "top_logprobs": 21}), 400,
+         "top_logprobs")
+    _err(httpx.post(u, json={"model": M, "messages": msgs, "stop": [str(i) for i in range(17)]}), 400, "stop")
+    _err(httpx.post(u, json={"model": M, "messages": []}), 400, "messages")
+    _err(httpx.post(u, json={"model": M, "messages": msgs, "logit_bias": {"99999999": 1}}), 400, "logit_bias")
+    _err(httpx.post(u, json={"model": M, "messages": msgs, "tool_choice": "required"}), 400, "tool_choice")
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 100}
+                                            for i in range(800)}}
+    _err(httpx.post(u, json={"model": M, "messages": msgs,
+                             "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": big}}}),
+         400, "response_format")
+    _err(httpx.post(smol.url + "/v1/completions", json={"model": M, "prompt": "x", "best_of": 3}), 400, "best_of")
+    e = _err(httpx.post(u, json={"model": "gpt-4", "messages": msgs}), 404, "model")
+    assert "gpt-4" in e["message"]
+    assert _wait(lambda: _idle(smol))
+
+
+def test_context_overflow_names_both_numbers(smol):
+    ids = [1] * 1000
+    r = httpx.post(smol.url + "/v1/completions", json={"model": M, "prompt": ids, "max_tokens": 100})
+    e = _err(r, 400, "max_tokens")
+    assert "1000" in e["message"] and "100" in e["message"] and "1024" in e["message"]
+    r = httpx.post(smol.url + "/v1/completions", json={"model": M, "prompt": [1] * 1024})
+    e = _err(r, 400)
+    assert "1024" in e["message"]
+    with pytest.raises(openai.BadRequestError):
+        smol.client().completions.create(model=M, prompt=ids, max_tokens=100)
+
+
+def test_body_over_the_limit_is_413(stories_hf):
+    srv = LiveServer(LLM(stories_hf, max_model_len=128), max_body_bytes=2000)
+    try:
+        _err(httpx.post(srv.url + "/v1/completions", json={"model": M, "prompt": "x" * 5000}), 413)
+
+        def chunked():  # no content-length: counted as it arrives
+            yield b'{"model": "test-model", "prompt": "'
+            for _ in range(10):
+                yield b"x" * 500
+            yield b'"}'
+
+        _err(httpx.post(srv.url + "/v1/completions", content=chunked(),
+                        headers={"content-type": "application/json"}), 413)
+        assert httpx.post(srv.url + "/v1/completions", json={"model": M, "prompt": "Once", "max_tokens": 2}
+                          ).status_code == 200
+    finally:
+        srv.close()
+
+
+def test_api_key_guards_v1_but_not_health(stories_hf):
+    srv = LiveServer(LLM(stories_hf, max_model_len=128), api_key="sekret")
+    try:
+        for path in ("/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize"):
+            _err(httpx.post(srv.url + path, json={}) if path != "/v1/models" else httpx.get(srv.url + path), 401)
+        _err(httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
+        assert httpx.get(srv.url + "/health").status_code == 200
+        assert httpx.get(srv.url + "/ready").status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            srv.client(api_key="wrong").models.list()
+        r = srv.client(api_key="sekret").completions.create(model=M, prompt="Once", max_tokens=3)
+        assert r.choices[0].text
+    finally:
+        srv.close()
+
+
+def test_full_queue_is_429_with_retry_after(stories_hf):
+    srv = LiveServer(LLM(stories_hf, max_model_len=256, max_num_seqs=1), max_queued_requests=2)
+    long = {"model": M, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.Client(timeout=60) as c1:
+            threads = []
+            with c1.stream("POST", srv.url + "/v1/completions", json=long) as r1:
+                it = r1.iter_lines()
+                next(it)  # the first runs (max_num_seqs=1) ...
+                for _ in range(2):  # ... two wait
+                    t = threading.Thread(target=lambda: httpx.post(srv.url + "/v1/completions", timeout=120,
+                                                                   json={**long, "stream": False, "max_tokens": 5}))
+                    t.start()
+                    threads.append(t)
+                assert _wait(lambda: srv.metric("llamajet:num_requests_waiting") == 2)
+                r = httpx.post(srv.url + "/v1/completions", json={**long, "stream": False})
+                _err(r, 429)
+                assert r.headers["retry-after"] == "1"
+                with pytest.raises(openai.RateLimitError):
+                    srv.client().completions.create(model=M, prompt="x", max_tokens=2)
+            for t in threads:
+                t.join(120)
+        assert _wait(lambda: _idle(srv))
+    finally:
+        srv.close()
+
+
+def test_disconnect_mid_stream_frees_the_sequence(smol):
+    eng = smol.llm.engine
+    before = eng.stats.generated
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", smol.url + "/v1/completions",
+                      json={"model": M, "prompt": "Count: one, two,", "max_tokens": 500, "ignore_eos": True,
+                            "stream": True}) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(6)]
+            assert all(g.startswith("data: ") or g == "" for g in got)
+            assert srv_running(smol) == 1
+    # closed mid-stream: the next step aborts it and its blocks go back
+    assert _wait(lambda: _idle(smol))
+    assert eng.stats.generated - before < 500
+    assert smol.llm.engine.scheduler.running == [] and not smol.llm.engine.scheduler.waiting
+
+
+def srv_running(srv) -> float:
+    return srv.metric("llamajet:num_requests_running")
+
+
+def test_disconnect_before_the_first_token_cancels_the_waiting_request(smollm2_gguf):
+    srv = LiveServer(LLM(smollm2_gguf, max_model_len=2048, max_num_seqs=1))
+    eng = srv.llm.engine
+    try:
+        with httpx.Client(timeout=60) as c1, c1.stream(
+                "POST", srv.url + "/v1/completions",
+                json={"model": M, "prompt": "Once", "max_tokens": 2000, "ignore_eos": True, "stream": True}) as r1:
+            lines = r1.iter_lines()  # (kept: a dropped iterator closes the stream)
+            next(lines)
+            base_tokens, base_generated = eng.stats.tokens, eng.stats.generated
+            # a non-streamed request queued behind it; its client gives up before any token
+            c2 = httpx.Client(timeout=1.0)
+            with pytest.raises(httpx.ReadTimeout):
+                c2.post(srv.url + "/v1/completions", json={"model": M, "prompt": "The cat sat on", "max_tokens": 50})
+            c2.close()
+            assert _wait(lambda: srv.metric("llamajet:num_requests_waiting") == 0)  # gone from the queue ...
+            assert srv.metric("llamajet:num_requests_running") == 1  # ... while the first still runs
+        assert _wait(lambda: _idle(srv))
+        # Every step since computed one decode token of the first request: the second never ran (its
+        # prompt would have added 4 computed tokens that sample only once). The base was read while a
+        # step may have been between its two counter updates: that shifts the difference by one either way.
+        extra = (eng.stats.tokens - base_tokens) - (eng.stats.generated - base_generated)
+        assert abs(extra) <= 1, extra
+        assert len(srv.llm.tokenizer.encode("The cat sat on")) >= 4
+        assert eng.stats.generated - base_generated < 2000
+    finally:
+        srv.close()
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def test_metrics_cover_what_deploy_uses(smol):
+    smol.client().completions.create(model=M, prompt="Hello", max_tokens=3)
+    text = httpx.get(smol.url + "/metrics").text
+    exposed = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    for name in ("llamajet:num_requests_running", "llamajet:num_requests_waiting", "llamajet:kv_cache_usage_perc",
+                 "llamajet:prefix_cache_queries_total", "llamajet:prefix_cache_hits_total",
+                 "llamajet:prompt_tokens_total", "llamajet:generation_tokens_total",
+                 "llamajet:request_success_total", "llamajet:num_preemptions_total",
+                 "llamajet:time_to_first_token_seconds_bucket", "llamajet:inter_token_latency_seconds_bucket",
+                 "llamajet:e2e_request_latency_seconds_bucket", "llamajet:request_queue_time_seconds_bucket",
+                 "llamajet:http_requests_total"):
+        assert name in exposed, name
+    used = set()
+    for f in (ROOT / "deploy").rglob("*"):
+        if f.is_file() and f.suffix in (".yaml", ".yml", ".json"):
+            used |= set(re.findall(r"llamajet:[a-z][a-z0-9_]*", f.read_text()))
+    assert used, "deploy/ uses no llamajet metric"
+    for name in used:  # series names, or a histogram's family name in prose
+        assert name in exposed or name + "_bucket" in exposed, f"deploy/ uses {name}, which /metrics does not expose"
+    assert srv_metric_labelled(text, "llamajet:request_success_total", 'finished_reason="length"') >= 1
+    assert srv_metric_labelled(text, "llamajet:generation_tokens_total", "") >= 3
+
+
+def srv_metric_labelled(text: str, name: str, label: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and label in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_tokenize_detokenize_round_trip_vs_hf_tokenizers(smol):
+    from tokenizers import Tokenizer
+
+    text = "Grüße, 世界! 🙂"
+    r = httpx.post(smol.url + "/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
+    ref = smol.llm.tokenizer.backend  # HF tokenizers' own encoder
+    assert isinstance(ref, Tokenizer) and r["tokens"] == ref.encode(text, add_special_tokens=False).ids
+    back = httpx.post(smol.url + "/detokenize", json={"tokens": r["tokens"]}).json()["prompt"]
+    assert back == text
+    _err(httpx.post(smol.url + "/detokenize", json={"tokens": [10 ** 9]}), 400, "tokens")
+
+
+# ---------------------------------------------------------------- SIGTERM (real processes)
+
+
+def _stream_all(url: str, out: list, i: int, max_tokens: int) -> None:
+    body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": f"Story {i}:"}],
+            "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    try:
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
+            lines = [ln for ln in r.iter_lines() if ln]
+        chunks = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
+        out[i] = {"status": r.status_code, "done": lines[-1] == "data: [DONE]",
+                  "finish": [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1],
+                  "tokens": [c["usage"]["completion_tokens"] for c in chunks if c.get("usage")]}
+    except Exception as e:  # noqa: BLE001 - recorded for the assertion
+        out[i] = {"error": repr(e)}
+
+
+def test_sigterm_drains_in_flight_streams_and_exits_0(smollm2_gguf):
+    proc, url = spawn("--drain-timeout", "60", "--max-model-len", "512")
+    try:
+        out: list = [None] * 8
+        threads = [threading.Thread(target=_stream_all, args=(url, out, i, 40)) for i in range(8)]
+        for t in threads:
+            t.start()
+        assert _wait(lambda: _metric(url, "llamajet:num_requests_running") == 8, 60)
+        proc.send_signal(signal.SIGTERM)
+        assert _wait(lambda: httpx.get(url + "/ready").status_code == 503, 10)  # stops admitting at once
+        r = httpx.post(url + "/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": "x"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
+        for t in threads:
+            t.join(120)
+        assert proc.wait(60) == 0
+        for o in out:
+            assert o.get("status") == 200 and o["done"] and o["finish"] == "length", o
+            assert o["tokens"] == [40]  # ran to the end
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_drain_timeout_ends_streams_with_a_last_chunk(smollm2_gguf):
+    proc, url = spawn("--drain-timeout", "1", "--max-model-len", "4096")
+    try:
+        out: list = [None] * 3
+        threads = [threading.Thread(target=_stream_all, args=(url, out, i, 3000)) for i in range(3)]
+        for t in threads:
+            t.start()
+        assert _wait(lambda: _metric(url, "llamajet:num_requests_running") == 3, 60)
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        assert proc.wait(30) == 0
+        for o in out:
+            assert o.get("status") == 200 and o["done"] and o["finish"] == "abort", o
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _metric(url: str, name: str) -> float:
+    try:
+        text = httpx.get(url + "/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return -1
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return -1
+
+
+def test_default_threads_honour_the_cgroup_quota(tmp_path):
+    from llamajet.ops.dispatch import cgroup_cpu_limit, default_threads, physical_cores
+
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert cgroup_cpu_limit(str(tmp_path)) == 1.5
+    assert default_threads(str(tmp_path)) == min(physical_cores(), 2)
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_limit(str(tmp_path)) is None and default_threads(str(tmp_path)) == physical_cores()
+    (tmp_path / "cpu.max").write_text("50000 100000\n")
+    assert default_threads(str(tmp_path)) == 1
