@@ -197,4 +197,9 @@ class Sampler:
                 return int(np.argmax(logits))
             return int(np.argmax(self.penalized(logits, history, num_prompt, allowed)))
         probs = self.probs(logits, history, num_prompt, allowed)
-        return int(self.rng.choice(probs.size, p=probs))
+        # Generator.choice(n, p=probs)'s own draw (inverse CDF of one uniform,
+        # the same stream of numbers) without its checks of p, which cost
+        # twice the draw on a 128k vocabulary.
+        cdf = np.cumsum(probs)
+        cdf /= cdf[-1]
+        return int(min(np.searchsorted(cdf, self.rng.random(), side="right"), probs.size - 1))
