@@ -11,8 +11,9 @@ Offline checks, no cluster and no Docker daemon:
   the Dockerfile to the ServiceMonitor.
 - Every PromQL query names only metrics the server exports.
 - The Dockerfile's build stage copies only files that exist and installs the
-  pinned packages; LLAMAJET_REPLAY_DOCKERFILE=1 replays its RUN lines in a
-  fresh venv and starts `llamajet serve` (slow: compiles the C++ core).
+  pinned packages; and its RUN lines are replayed in a fresh venv, from which
+  `llamajet serve` starts (about 4 minutes on 2 cores: it compiles the C++
+  core; LLAMAJET_REPLAY_DOCKERFILE=0 skips it for a quick local run; CI runs it).
 """
 
 from __future__ import annotations
@@ -624,8 +625,8 @@ def replay_build_stage(tmp_path: Path) -> Path:
     return venv
 
 
-@pytest.mark.skipif(os.environ.get("LLAMAJET_REPLAY_DOCKERFILE") != "1",
-                    reason="slow (compiles the C++ core, installs from PyPI): set LLAMAJET_REPLAY_DOCKERFILE=1")
+@pytest.mark.skipif(os.environ.get("LLAMAJET_REPLAY_DOCKERFILE") == "0",
+                    reason="LLAMAJET_REPLAY_DOCKERFILE=0: the Dockerfile replay (about 4 minutes) is skipped")
 def test_replay_dockerfile_and_serve(tmp_path):
     venv = replay_build_stage(tmp_path)
     port, drain = free_port(), 5

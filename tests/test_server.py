@@ -563,3 +563,46 @@ def test_default_threads_honour_the_cgroup_quota(tmp_path):
     assert cgroup_cpu_limit(str(tmp_path)) is None and default_threads(str(tmp_path)) == physical_cores()
     (tmp_path / "cpu.max").write_text("50000 100000\n")
     assert default_threads(str(tmp_path)) == 1
+
+
+def test_hermes_tool_calls_on_a_qwen2_template(tmp_path, qwen25_tokenizer_dir):
+    """Qwen2.5's template shows the tools itself and wants <tool_call>...</tool_call>: the grammar
+    writes that format and the parser reads it back (a random-weight Qwen2 of the real vocabulary)."""
+    import shutil
+
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from llamajet.server import tools as toolmod
+
+    cfg = transformers.Qwen2Config(
+        vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=151643,
+        eos_token_id=151645)
+    torch.manual_seed(0)
+    transformers.Qwen2ForCausalLM(cfg).save_pretrained(tmp_path, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
+        shutil.copy(qwen25_tokenizer_dir / f, tmp_path / f)
+    llm = LLM(tmp_path, max_model_len=512)
+    assert toolmod.call_format(llm.tokenizer.chat_template) == "hermes"
+    assert toolmod.template_shows_tools(llm.tokenizer.chat_template)
+    city = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}, "days": {"enum": [1, 2, 3]}},
+        "required": ["city", "days"]}}}
+    srv = LiveServer(llm)
+    try:
+        for seed in range(3):
+            r = srv.client().chat.completions.create(
+                model=M, messages=[{"role": "user", "content": "Pick a city."}], tools=[city],
+                tool_choice="required", max_tokens=80, temperature=1.0, seed=seed)
+            ch = r.choices[0]
+            assert ch.finish_reason == "tool_calls", ch
+            (call,) = ch.message.tool_calls
+            assert call.function.name == "pick"
+            jsonschema.validate(json.loads(call.function.arguments), city["function"]["parameters"])
+    finally:
+        srv.close()
+    text = '<tool_call>\n{"name": "pick", "arguments": {"city": "Rome", "days": 2}}\n</tool_call>'
+    (c,) = toolmod.parse_calls(text, {"pick"})
+    assert json.loads(c["function"]["arguments"]) == {"city": "Rome", "days": 2}
+    assert toolmod.parse_calls('{"name": "other", "parameters": {}}', {"pick"}) is None
+    assert toolmod.parse_calls("<|python_tag|>" + '{"name": "pick", "parameters": {"city": "Oslo"}}', {"pick"})

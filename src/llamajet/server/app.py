@@ -479,7 +479,7 @@ def create_app(settings: ServerSettings, load: Callable[[], Any] | Any) -> FastA
         constraint = None
         if use_tools and (choice == "required" or named):
             constraint = await asyncio.to_thread(
-                state.grammars.constraint, toolmod.call_grammar(tools, named, fmt), "tools")
+                state.grammars.constraint, toolmod.call_grammar(tools, named, fmt, tok), "tools")
         elif req.response_format is not None and req.response_format.type != "text":
             rf = req.response_format
             schema = rf.json_schema.schema_ if rf.type == "json_schema" else None

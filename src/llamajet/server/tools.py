@@ -60,16 +60,28 @@ def _call_schema(fn: dict, fmt: str) -> dict:
             "required": ["name", key], "additionalProperties": False}
 
 
-def call_grammar(tools: list[dict], only: str | None, fmt: str) -> str:
-    """The lark grammar of exactly one call to `only` (or any of `tools`)."""
+def call_grammar(tools: list[dict], only: str | None, fmt: str, tokenizer=None) -> str:
+    """The lark grammar of exactly one call to `only` (or any of `tools`).
+    Where the vocabulary has `<tool_call>` / `</tool_call>` as added tokens
+    (Qwen2.5), the grammar names those tokens (llguidance's `<[id]>`): the
+    same text spelt in ordinary tokens is not what the model was trained on."""
     fns = [t["function"] for t in tools if only is None or t["function"]["name"] == only]
     schemas = [_call_schema(f, fmt) for f in fns]
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
     body = "%json " + json.dumps(schema)
     if fmt == "hermes":
-        return f'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: {body}\n'
+        return f'start: {_marker("<tool_call>", tokenizer)} "\\n" call "\\n" {_marker("</tool_call>", tokenizer)}\ncall: {body}\n'
     return f"start: call\ncall: {body}\n"
+
+
+def _marker(text: str, tokenizer) -> str:
+    # An added token (Qwen2.5 marks these as not special, llguidance treats every added token as
+    # one): named by id, else llguidance's mask and its token check disagree on the text spelling.
+    i = tokenizer.token_to_id(text) if tokenizer is not None else None
+    if i is not None and i in tokenizer.added_ids:
+        return f"<[{i}]>"
+    return json.dumps(text)
 
 
 def parse_calls(text: str, names: set[str]) -> list[dict] | None:

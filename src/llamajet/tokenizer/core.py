@@ -60,8 +60,10 @@ class Tokenizer:
         self.add_bos = bool(add_bos and bos_id is not None)
         self.chat_template = chat_template
         self.source = source
-        special = {i for i, tok in backend.get_added_tokens_decoder().items() if tok.special}
+        added = backend.get_added_tokens_decoder()
+        special = {i for i, tok in added.items() if tok.special}
         self.special_ids = frozenset(special)
+        self.added_ids = frozenset(added)  # added tokens, special or not
         stops = {i for i in extra_stop_ids if i is not None and 0 <= i < self.vocab_size}
         if eos_id is not None:
             stops.add(eos_id)
