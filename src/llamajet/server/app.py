@@ -275,6 +275,14 @@ def create_app(settings: ServerSettings, load: Callable[[], Any] | Any) -> FastA
         except ValidationError as e:
             raise RequestValidationError(e.errors())
 
+    async def begin(request: Request, cls):
+        """(arrival time, the parsed request, the LLM) of a generation request."""
+        t0 = time.perf_counter()
+        req = await parse(request, cls)
+        llm = llm_or_503()
+        check_model(req.model)
+        return t0, req, llm
+
     def sampling(req, n_prompt: int, max_tokens: int | None, logprobs: int | None, llm) -> SamplingParams:
         ctx = llm.max_model_len
         if max_tokens is not None and n_prompt + max_tokens > ctx:
@@ -441,10 +449,7 @@ def create_app(settings: ServerSettings, load: Callable[[], Any] | Any) -> FastA
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        t0 = time.perf_counter()
-        req: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
-        llm = llm_or_503()
-        check_model(req.model)
+        t0, req, llm = await begin(request, ChatCompletionRequest)
         tok = llm.tokenizer
         tools = [t.model_dump() for t in req.tools] if req.tools else []
         choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
@@ -586,10 +591,7 @@ def create_app(settings: ServerSettings, load: Callable[[], Any] | Any) -> FastA
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        t0 = time.perf_counter()
-        req: CompletionRequest = await parse(request, CompletionRequest)
-        llm = llm_or_503()
-        check_model(req.model)
+        t0, req, llm = await begin(request, CompletionRequest)
         for f in ("suffix", "best_of"):
             if getattr(req, f) not in (None, 1 if f == "best_of" else None):
                 raise ApiError(400, f"{f} is not supported", param=f)
