@@ -32,7 +32,8 @@ using AnyArr = nb::ndarray<nb::ro, nb::c_contig, nb::device::cpu>;
 void check_packed_args(const char* fn, int kind, int64_t g, int64_t n, int64_t k) {
   const std::string f(fn);
   if (!lj::is_packed(kind)) throw std::invalid_argument(f + ": unknown packed kind");
-  if (g < 8 || g > 1024 || g % 8) throw std::invalid_argument(f + ": group must be a multiple of 8 in 8..1024");
+  // groups up to 2^16: a per-channel group is a whole row; int8 x int8 sums over 2^16 fit int32
+  if (g < 8 || g > 65536 || g % 8) throw std::invalid_argument(f + ": group must be a multiple of 8 in 8..65536");
   if (n < 1 || k < 1) throw std::invalid_argument(f + ": empty matrix");
   const int64_t fg = lj::packed_fixed_group(kind);
   if (fg && g != fg) throw std::invalid_argument(f + ": this kind is made for groups of " + std::to_string(fg));

@@ -10,7 +10,7 @@ from llamajet import ops
 from llamajet.formats.gguf_blocks import repack_gguf, repack_gguf_reference
 from llamajet.formats.packed import (dequantize, matmul_a8_reference, pack, quantize_activations,
                                      quantize_rtn, unpack)
-from llamajet.formats.schemes import schemes
+from llamajet.formats.schemes import get_scheme, schemes
 from llamajet.formats.weight import Kind, Weight
 
 TILE_ROWS = ops.TILE
@@ -277,6 +277,34 @@ def test_cpp_quantize_and_dequantize_equal_numpy_bit_for_bit(isa, scheme):
     # products of an fp16 scale and a small integer are exact in fp32 and the
     # asymmetric sum is rounded once either way: bit-equal to float64 -> fp32
     np.testing.assert_array_equal(deq, dequantize(ref).astype(np.float32))
+
+
+@pytest.mark.parametrize("k", [1032, 1536, 8200])
+def test_per_channel_int8_on_rows_wider_than_1024(k):
+    """int8_pc's group is the whole row: K past 1024 (SmolLM2's ffn_down has 1536, Llama-3's 8192/14336)
+    quantizes in C++ as numpy does, dequantizes back, and multiplies as the exact-integer reference."""
+    from llamajet.formats.packed import matmul_a8_reference
+
+    scheme = get_scheme("int8_pc")
+    w = np.random.default_rng(k).normal(size=(21, k)).astype(np.float32)
+    ref = quantize_rtn("w", w, scheme)
+    assert ref.group == -(-k // 8) * 8
+    got = ops.quantize_packed(scheme.kind, ref.group, w, n_threads=2)
+    assert got.tobytes() == ref.data.tobytes()
+    deq = ops.dequantize_packed(scheme.kind, ref.group, ref.shape, ref.data, n_threads=2)
+    np.testing.assert_array_equal(deq, dequantize(ref).astype(np.float32))
+    assert np.abs(deq - w).max() <= np.abs(w).max(axis=1).max() / 127  # half a step of the largest row, twice
+    x = np.random.default_rng(1).normal(size=(3, k)).astype(np.float32)
+    want = matmul_a8_reference(x, ref)  # exact integer dots: one group per row, so one fp32 scaling
+    for isa in ISAS:
+        for a16 in (False, True):
+            got = _run_matmul(isa, 2, x, ref, a16=a16)
+            if a16:  # float activations: vs the dequantized weights in float64
+                np.testing.assert_allclose(got, x.astype(np.float64) @ deq.T.astype(np.float64),
+                                           rtol=1e-4, atol=1e-3 * np.sqrt(k))
+            else:
+                bound = 8 * 2.0**-24 * (np.abs(x) @ np.abs(deq).T) + 1e-30
+                assert np.all(np.abs(got - want) <= bound), (isa, np.abs(got - want).max())
 
 
 def test_cpp_quantize_refusals():

@@ -151,7 +151,12 @@ def _print_memory(llm) -> None:
 def cmd_quantize(a) -> int:
     from llamajet.quant.quantize import quantize_model
 
-    print(quantize_model(a.input, a.output, a.scheme, force=a.force).format())
+    def progress(done: int, total: int) -> None:
+        print(f"\r{a.method}: layer {done}/{total}", end="" if done < total else "\n", file=sys.stderr, flush=True)
+
+    print(quantize_model(a.input, a.output, a.scheme, force=a.force, method=a.method, calib=a.calib,
+                         calib_seqs=a.calib_seqs, calib_len=a.calib_len, act_order=a.act_order, embed_scheme=a.embed_scheme,
+                         progress=progress).format())
     return 0
 
 
@@ -261,6 +266,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a scheme name (int4_sym_g32, int4_asym_g32, int8_g32, int8_pc, ...) or 'keep': "
                         "GGUF Q4_0/Q4_1/Q8_0 repacked without loss, float matrices left as they are")
     q.add_argument("--force", action="store_true", help="write into a non-empty output folder")
+    q.add_argument("--method", default="rtn", choices=("rtn", "gptq"),
+                   help="rtn: round to nearest; gptq: error-compensated against calibration inputs (needs --calib)")
+    q.add_argument("--calib", default=None, metavar="FILE", help="calibration text (not the text you evaluate on)")
+    q.add_argument("--calib-seqs", type=int, default=128, help="calibration windows (default: 128)")
+    q.add_argument("--calib-len", type=int, default=512, help="tokens per calibration window (default: 512)")
+    q.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by decreasing salience")
+    q.add_argument("--embed-scheme", default=None, metavar="NAME",
+                   help="scheme of the token embedding and output head (default: --scheme), e.g. int8_g32")
     q.set_defaults(fn=cmd_quantize)
     b = sub.add_parser("bench", help="single-stream prefill/decode speed (optionally beside llama.cpp); "
                                      "with --batch, throughput at several batch sizes and KV use")

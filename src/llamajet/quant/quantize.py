@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from llamajet import ops
 from llamajet.errors import LlamajetError
 from llamajet.formats import saved
@@ -34,7 +36,7 @@ from llamajet.formats.gguf_blocks import LOSSLESS, repack_gguf
 from llamajet.formats.layout import FLOATS
 from llamajet.formats.saved import META_FILE, WEIGHTS_FILE, SavedTensor
 from llamajet.formats.schemes import QuantScheme, get_scheme, rtn_scheme, schemes
-from llamajet.formats.weight import Weight
+from llamajet.formats.weight import Kind, Weight
 from llamajet.loaders import LoadedModel, load_model
 from llamajet.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_gguf
 
@@ -193,22 +195,66 @@ def _check_out(src: Path, out: Path, force: bool) -> None:
             raise LlamajetError(f"{out}: is where the source lives; write the output elsewhere")
 
 
-def quantize_model(src: str | Path, out: str | Path, scheme: str, force: bool = False) -> QuantizeSummary:
+METHODS = ("rtn", "gptq")
+
+
+def quantize_model(src: str | Path, out: str | Path, scheme: str, force: bool = False, method: str = "rtn",
+                   calib: str | Path | None = None, calib_seqs: int = 128, calib_len: int = 512,
+                   act_order: bool = False, embed_scheme: str | None = None, progress=None) -> QuantizeSummary:
     """Convert the checkpoint ``src`` (HF folder, GGUF, or a saved model) into a
-    saved llamajet model in folder ``out`` (see the module docstring)."""
+    saved llamajet model in folder ``out`` (see the module docstring).
+    method "gptq" (quant/gptq.py) quantizes the decoder matrices against
+    calibration inputs from the text file `calib` (calib_seqs windows of
+    calib_len tokens); embeddings and the other tensors go as with RTN."""
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
     sch = check_scheme(scheme)
+    if method not in METHODS:
+        raise LlamajetError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
+    if method != "rtn":
+        if sch is None:
+            raise LlamajetError(f"method {method} needs a scheme to quantize to, not {KEEP!r}")
+        if calib is None or not Path(calib).is_file():
+            raise LlamajetError(f"method {method} needs --calib FILE, a text file to calibrate on (got {calib})")
+        if calib_seqs < 1 or calib_len < 16:
+            raise LlamajetError("calibration needs at least 1 window of at least 16 tokens")
     _check_out(src, out, force)
     model = load_model(src)  # before touching out: a bad input leaves nothing behind
     tok = _source_tokenizer(model, src)
-    plans = [_plan(w, sch) for w in model.weights.values()]
+    # The token embedding and the output head (tied or not) may take their own scheme, as llama.cpp's
+    # mixes keep the output matrix at Q6_K: a lookup gains nothing from calibration, and the head's
+    # error reaches every logit.
+    emb_sch = check_scheme(embed_scheme) if embed_scheme is not None else sch
+    calibrated: dict = {}
+    if method == "gptq":
+        from llamajet.quant.calibrate import calibration_windows, sequential
+        from llamajet.quant.gptq import gptq_quantize, pack_gptq
+
+        windows = calibration_windows(tok, Path(calib).read_text(encoding="utf-8"), calib_seqs, calib_len)
+
+        def layer(names, ws, h):
+            deq, packed = [], {}
+            for name, w in zip(names, ws):
+                q, codes, d, m = gptq_quantize(w, h, sch, act_order=act_order)
+                src_w = model.weights[name]
+                packed[name] = pack_gptq(name, sch, tuple(w.shape), codes, d, m, src_w.kind,
+                                         src_w.rope_interleaved)
+                deq.append(q.astype(np.float32))
+            return deq, packed
+
+        calibrated = sequential(model, windows, layer, progress)
+    plans = [(SavedTensor(w.name, w.kind, sch, tuple(w.shape), w.rope_interleaved,
+                          (lambda pw=calibrated[w.name]: pw.data)), f"{method} {w.dtype}->{sch.name}")
+             if w.name in calibrated else
+             _plan(w, emb_sch if (w.kind is Kind.EMBEDDING or w.name == "output") else sch)
+             for w in model.weights.values()]
 
     out.mkdir(parents=True, exist_ok=True)
     size, entries = saved.write_weights(out, [t for t, _ in plans])
     _write_tokenizer(tok, src, out, model.config.max_position_embeddings)
     _check_tokenizer(tok, out)
-    saved.write_meta(out, model.config, entries, scheme=scheme, source=src.name)
+    saved.write_meta(out, model.config, entries, scheme=scheme if method == "rtn" else f"{scheme}+{method}",
+                     source=src.name)
     load_model(out)  # the folder must load: headers, sizes, config (maps, reads no weight bytes)
 
     counts: dict[str, int] = {}
@@ -217,4 +263,4 @@ def quantize_model(src: str | Path, out: str | Path, scheme: str, force: bool = 
     return QuantizeSummary(str(src), str(out), scheme, counts, _bytes_in(src), size, time.perf_counter() - t0)
 
 
-__all__ = ["quantize_model", "check_scheme", "QuantizeSummary", "KEEP", "LOSSLESS"]
+__all__ = ["quantize_model", "check_scheme", "QuantizeSummary", "KEEP", "LOSSLESS", "METHODS"]

@@ -1,0 +1,139 @@
+"""GPTQ (Frantar et al., 2022): quantize a linear layer's weights column by
+column, each column's rounding error spread over the columns not yet
+quantized through the inverse Hessian of the layer's calibration inputs.
+
+For W [N, K] and calibration inputs X [T, K] (rows are tokens), the layer's
+loss is ||W X^T - Ŵ X^T||^2, whose Hessian in each row of W is H = 2 X^T X.
+With H^-1 = U^T U (U upper triangular, the Cholesky factor of H^-1), column
+j quantized to q_j leaves the error e = (w_j - q_j) / U_jj, and the columns
+after j absorb -e U_j,j+1: (the optimal update for the remaining ones).
+Columns go in lazy blocks of 128: inside a block the update is applied
+column by column, the rest of the matrix gets one rank-128 update per block.
+Damping adds 1% of the mean diagonal to H (dead inputs, whose diagonal is
+0, get weight 0 and a unit diagonal).
+
+Groups: each group of `g` columns gets its scale (and min) by the scheme's
+own RTN rule (formats/packed.py: sym: the largest-magnitude value maps to
+code -8; asym: [min, max] over 15 steps; both fp16), computed when the
+group's first column is reached, from the columns as GPTQ has updated them.
+act_order (quantize columns by decreasing H_jj, the most salient first)
+visits columns out of order, so there every group's scales are fixed up
+front from the original weights ("static groups"), which keeps the packed
+layout (groups of consecutive columns) unchanged.
+
+The result is packed in the scheme's own layout, so `LLM` runs it with the
+ordinary kernels and nothing is re-quantized at load.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from llamajet.formats.packed import F16, T, _geometry, pack
+from llamajet.formats.schemes import QuantScheme
+from llamajet.formats.weight import Kind, Weight
+
+
+def group_params(x: np.ndarray, scheme: QuantScheme) -> tuple[np.ndarray, np.ndarray | None]:
+    """fp16 scale d (and min m) of each row of x [N, g] by the scheme's RTN rule."""
+    x = np.asarray(x, np.float32)
+    if scheme.bits == 4 and scheme.symmetric:
+        idx = np.abs(x).argmax(axis=-1)[:, None]
+        return (np.take_along_axis(x, idx, -1)[:, 0] / np.float32(-8)).astype(F16), None
+    if scheme.bits == 4:
+        mn, mx = x.min(axis=-1), x.max(axis=-1)
+        return ((mx - mn) / np.float32(15)).astype(F16), mn.astype(F16)
+    return (np.abs(x).max(axis=-1) / np.float32(127)).astype(F16), None
+
+
+def round_to(w: np.ndarray, d: np.ndarray, m: np.ndarray | None, scheme: QuantScheme) -> tuple[np.ndarray, np.ndarray]:
+    """Codes of column(s) w under scales d (and mins m), and the values they stand for."""
+    df = d.astype(np.float32).astype(np.float64)
+    inv = np.divide(1.0, df, out=np.zeros_like(df), where=df != 0)
+    if scheme.bits == 4 and scheme.symmetric:
+        c = np.clip(np.rint(w * inv) + 8, 0, 15)
+        return c, df * (c - 8)
+    if scheme.bits == 4:
+        mf = m.astype(np.float32).astype(np.float64)
+        c = np.clip(np.rint((w - mf) * inv), 0, 15)
+        return c, df * c + mf
+    c = np.clip(np.rint(w * inv), -127, 127)
+    return c, df * c
+
+
+def gptq_quantize(w: np.ndarray, hessian: np.ndarray, scheme: QuantScheme, block: int = 128,
+                  damp: float = 0.01, act_order: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                                       np.ndarray | None]:
+    """GPTQ of w [N, K] against hessian [K, K] (= 2 X^T X, any positive
+    multiple: the result does not depend on the scale). Returns the
+    dequantized weights Ŵ [N, K] (float64), codes [N, K], and the group
+    scales d, mins m [N, n_groups] (fp16)."""
+    W = np.array(w, np.float64)
+    N, K = W.shape
+    g = scheme.group_for(K)
+    ng = -(-K // g)
+    H = np.array(hessian, np.float64)
+    dead = np.diag(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    d_all = np.zeros((N, ng), F16)
+    m_all = None if scheme.symmetric else np.zeros((N, ng), F16)
+    if act_order:  # static groups from the original weights (see the module docstring)
+        for gi in range(ng):
+            d, m = group_params(W[:, gi * g:(gi + 1) * g], scheme)
+            d_all[:, gi] = d
+            if m_all is not None:
+                m_all[:, gi] = m
+        perm = np.argsort(-np.diag(H), kind="stable")
+    else:
+        perm = np.arange(K)
+    W, H = W[:, perm], H[perm][:, perm]
+    H[np.diag_indices(K)] += damp * np.mean(np.diag(H))
+    U = np.linalg.cholesky(np.linalg.inv(H)).T  # upper: H^-1 = U^T U
+    Q = np.zeros_like(W)
+    codes = np.zeros((N, K), np.int16)
+    for b0 in range(0, K, block):
+        b1 = min(b0 + block, K)
+        W1 = W[:, b0:b1].copy()
+        E1 = np.zeros_like(W1)
+        U1 = U[b0:b1, b0:b1]
+        for i in range(b1 - b0):
+            col = perm[b0 + i]
+            gi = col // g
+            if not act_order and col % g == 0:  # a new group: its scales from the updated columns
+                d, m = group_params(np.concatenate([W1[:, i:i + g], W[:, b1:b0 + i + g]], axis=1)
+                                    if i + g > b1 - b0 else W1[:, i:i + g], scheme)
+                d_all[:, gi] = d
+                if m_all is not None:
+                    m_all[:, gi] = m
+            c, q = round_to(W1[:, i], d_all[:, gi], None if m_all is None else m_all[:, gi], scheme)
+            codes[:, b0 + i] = c
+            Q[:, b0 + i] = q
+            err = (W1[:, i] - q) / U1[i, i]
+            W1[:, i:] -= np.outer(err, U1[i, i:])
+            E1[:, i] = err
+        W[:, b1:] -= E1 @ U[b0:b1, b1:]
+    inv = np.argsort(perm)
+    return Q[:, inv], codes[:, inv], d_all, m_all
+
+
+def pack_gptq(name: str, scheme: QuantScheme, shape: tuple[int, int], codes: np.ndarray, d: np.ndarray,
+              m: np.ndarray | None, kind: Kind = Kind.MATRIX, rope_interleaved: bool = False) -> Weight:
+    """Codes [N, K] and group scales [N, ng] in the scheme's packed layout
+    (rows padded to tiles with zero scales, columns to whole groups with the
+    zero code: the activations there are zero)."""
+    n, k = shape
+    g, n_pad, k_pad, _, _ = _geometry(scheme, shape)
+    zero = 8 if (scheme.bits == 4 and scheme.symmetric) else 0
+    dt = np.int8 if scheme.bits == 8 else np.uint8
+    c = np.full((n_pad, k_pad), zero, np.int16)
+    c[:n, :k] = codes
+    ng_pad = k_pad // g
+    dp = np.zeros((n_pad, ng_pad), F16)
+    dp[:n, : d.shape[1]] = d
+    mp = None
+    if m is not None:
+        mp = np.zeros((n_pad, ng_pad), F16)
+        mp[:n, : m.shape[1]] = m
+    assert n_pad % T == 0
+    return pack(name, scheme, shape, c.astype(dt), dp, mp, kind, rope_interleaved)
