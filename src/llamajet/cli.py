@@ -156,6 +156,7 @@ def cmd_quantize(a) -> int:
 
     print(quantize_model(a.input, a.output, a.scheme, force=a.force, method=a.method, calib=a.calib,
                          calib_seqs=a.calib_seqs, calib_len=a.calib_len, act_order=a.act_order, embed_scheme=a.embed_scheme,
+                         scale_search=a.scale_search,
                          progress=progress).format())
     return 0
 
@@ -272,6 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--calib-seqs", type=int, default=128, help="calibration windows (default: 128)")
     q.add_argument("--calib-len", type=int, default=512, help="tokens per calibration window (default: 512)")
     q.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by decreasing salience")
+    q.add_argument("--scale-search", action=argparse.BooleanOptionalAction, default=True,
+                   help="GPTQ: each group's range shrunk by the factor of least rounding error (default: on)")
     q.add_argument("--embed-scheme", default=None, metavar="NAME",
                    help="scheme of the token embedding and output head (default: --scheme), e.g. int8_g32")
     q.set_defaults(fn=cmd_quantize)

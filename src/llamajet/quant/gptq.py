@@ -13,7 +13,8 @@ Damping adds 1% of the mean diagonal to H (dead inputs, whose diagonal is
 0, get weight 0 and a unit diagonal).
 
 Groups: each group of `g` columns gets its scale (and min) by the scheme's
-own RTN rule (formats/packed.py: sym: the largest-magnitude value maps to
+own RTN rule (or, with `search`, that rule's range shrunk by the factor of
+least rounding error) (formats/packed.py: sym: the largest-magnitude value maps to
 code -8; asym: [min, max] over 15 steps; both fp16), computed when the
 group's first column is reached, from the columns as GPTQ has updated them.
 act_order (quantize columns by decreasing H_jj, the most salient first)
@@ -34,8 +35,30 @@ from llamajet.formats.schemes import QuantScheme
 from llamajet.formats.weight import Kind, Weight
 
 
-def group_params(x: np.ndarray, scheme: QuantScheme) -> tuple[np.ndarray, np.ndarray | None]:
-    """fp16 scale d (and min m) of each row of x [N, g] by the scheme's RTN rule."""
+SHRINK = np.linspace(1.0, 0.7, 13)  # range shrink factors the scale search tries
+
+
+def group_params(x: np.ndarray, scheme: QuantScheme, search: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+    """fp16 scale d (and min m) of each row of x [N, g] by the scheme's RTN
+    rule; with `search`, the rule's range shrunk by the factor (1 .. 0.7)
+    whose rounding error sum (x - q)^2 is least, row by row (clipping a few
+    outliers buys finer steps for the rest)."""
+    if search:
+        best_d, best_m, best_e = None, None, None
+        for f in SHRINK:
+            d, m = group_params(np.asarray(x, np.float64) * f, scheme)
+            _, q = round_to(np.asarray(x, np.float64), d[:, None] if d.ndim == 1 else d,
+                            None if m is None else m[:, None], scheme)
+            e = ((np.asarray(x, np.float64) - q) ** 2).sum(axis=-1)
+            if best_e is None:
+                best_d, best_m, best_e = d.copy(), None if m is None else m.copy(), e
+                continue
+            better = e < best_e
+            best_d[better] = d[better]
+            if m is not None:
+                best_m[better] = m[better]
+            best_e = np.where(better, e, best_e)
+        return best_d, best_m
     x = np.asarray(x, np.float32)
     if scheme.bits == 4 and scheme.symmetric:
         idx = np.abs(x).argmax(axis=-1)[:, None]
@@ -62,7 +85,7 @@ def round_to(w: np.ndarray, d: np.ndarray, m: np.ndarray | None, scheme: QuantSc
 
 
 def gptq_quantize(w: np.ndarray, hessian: np.ndarray, scheme: QuantScheme, block: int = 128,
-                  damp: float = 0.01, act_order: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                  damp: float = 0.01, act_order: bool = False, search: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray,
                                                                        np.ndarray | None]:
     """GPTQ of w [N, K] against hessian [K, K] (= 2 X^T X, any positive
     multiple: the result does not depend on the scale). Returns the
@@ -80,7 +103,7 @@ def gptq_quantize(w: np.ndarray, hessian: np.ndarray, scheme: QuantScheme, block
     m_all = None if scheme.symmetric else np.zeros((N, ng), F16)
     if act_order:  # static groups from the original weights (see the module docstring)
         for gi in range(ng):
-            d, m = group_params(W[:, gi * g:(gi + 1) * g], scheme)
+            d, m = group_params(W[:, gi * g:(gi + 1) * g], scheme, search)
             d_all[:, gi] = d
             if m_all is not None:
                 m_all[:, gi] = m
@@ -102,7 +125,7 @@ def gptq_quantize(w: np.ndarray, hessian: np.ndarray, scheme: QuantScheme, block
             gi = col // g
             if not act_order and col % g == 0:  # a new group: its scales from the updated columns
                 d, m = group_params(np.concatenate([W1[:, i:i + g], W[:, b1:b0 + i + g]], axis=1)
-                                    if i + g > b1 - b0 else W1[:, i:i + g], scheme)
+                                    if i + g > b1 - b0 else W1[:, i:i + g], scheme, search)
                 d_all[:, gi] = d
                 if m_all is not None:
                     m_all[:, gi] = m

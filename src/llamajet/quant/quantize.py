@@ -200,7 +200,8 @@ METHODS = ("rtn", "gptq")
 
 def quantize_model(src: str | Path, out: str | Path, scheme: str, force: bool = False, method: str = "rtn",
                    calib: str | Path | None = None, calib_seqs: int = 128, calib_len: int = 512,
-                   act_order: bool = False, embed_scheme: str | None = None, progress=None) -> QuantizeSummary:
+                   act_order: bool = False, embed_scheme: str | None = None, scale_search: bool = True,
+                   progress=None) -> QuantizeSummary:
     """Convert the checkpoint ``src`` (HF folder, GGUF, or a saved model) into a
     saved llamajet model in folder ``out`` (see the module docstring).
     method "gptq" (quant/gptq.py) quantizes the decoder matrices against
@@ -235,7 +236,7 @@ def quantize_model(src: str | Path, out: str | Path, scheme: str, force: bool = 
         def layer(names, ws, h):
             deq, packed = [], {}
             for name, w in zip(names, ws):
-                q, codes, d, m = gptq_quantize(w, h, sch, act_order=act_order)
+                q, codes, d, m = gptq_quantize(w, h, sch, act_order=act_order, search=scale_search)
                 src_w = model.weights[name]
                 packed[name] = pack_gptq(name, sch, tuple(w.shape), codes, d, m, src_w.kind,
                                          src_w.rope_interleaved)
