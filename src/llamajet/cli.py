@@ -1,4 +1,4 @@
-"""The ``llamajet`` command: generate | chat | serve | info | quantize | bench | graph.
+"""The ``llamajet`` command: generate | chat | serve | info | quantize | eval | bench | graph.
 
 Flags mirror the API: --model is LLM(path), sampling flags are
 SamplingParams fields, and the runtime flags (--threads, --isa,
@@ -202,6 +202,12 @@ def _default_model_name(path: str | None) -> str:
     return p.stem if p.suffix == ".gguf" else p.name
 
 
+def cmd_eval(a) -> int:
+    from llamajet.eval.quality import main as eval_main
+
+    return eval_main(a)
+
+
 def cmd_graph(a) -> int:
     """The step graph as ModelRunner builds it (engine/runner.py compile_graph), planned for one phase."""
     from llamajet import ops
@@ -293,6 +299,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--corpus", default=None, help="text the prompts are cut from (default: WikiText-2 test)")
     b.add_argument("--json", default=None, help="also write the results to this JSON file")
     b.set_defaults(fn=cmd_bench)
+    ev = sub.add_parser("eval", help="perplexity, KL and top-1 vs the float model, size and speed of several "
+                                     "configurations on the same windows of a text")
+    _add_model_args(ev, only=("n_threads", "isa", "kernels", "kv_dtype", "fuse"))
+    ev.add_argument("--text", required=True, help="the evaluation text (a UTF-8 file)")
+    ev.add_argument("--scheme", default=None, help="schemes to quantize to at load, comma-separated")
+    ev.add_argument("--saved", action="append", default=None, metavar="DIR",
+                    help="a folder written by `llamajet quantize` (repeatable)")
+    ev.add_argument("--ctx", type=int, default=512, help="tokens per window (default: 512)")
+    ev.add_argument("--windows", type=int, default=20, help="windows scored (default: 20)")
+    ev.add_argument("--json", default=None, help="also write the results as JSON")
+    ev.set_defaults(fn=cmd_eval)
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, streaming, "
                                       "structured output, tools, /metrics, /health, /ready)")
     _add_model_args(sv)

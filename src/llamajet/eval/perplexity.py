@@ -80,13 +80,15 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return x
 
 
-def evaluate(llms: dict, windows: list[list[int]], reference: str | None = None) -> dict[str, Score]:
+def evaluate(llms: dict, windows: list[list[int]], reference: str | None = None,
+             progress=None) -> dict[str, Score]:
     """Scores every window under every configuration in `llms` (name -> LLM);
-    KL and top-1 agreement against `reference` (default: the first)."""
+    KL and top-1 agreement against `reference` (default: the first).
+    progress(done, total) is called after each window."""
     names = list(llms)
     reference = reference or names[0]
     scores = {n: Score(n) for n in names}
-    for w in windows:
+    for wi, w in enumerate(windows):
         target = np.asarray(w[1:])
         rows = np.arange(len(target))
         ref_lp = None
@@ -101,6 +103,8 @@ def evaluate(llms: dict, windows: list[list[int]], reference: str | None = None)
                 ref_lp = lp
             s.kl_sum += float((np.exp(ref_lp) * (ref_lp - lp)).sum())
             s.top1_same += int((lp.argmax(-1) == ref_lp.argmax(-1)).sum())
+        if progress is not None:
+            progress(wi + 1, len(windows))
     return scores
 
 
