@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from llamajet.engine.sampling import log_softmax
+
 FTYPES = {"q4_k_m": 15, "q4_k_s": 14, "q5_k_m": 17, "q6_k": 18, "q8_0": 7, "q4_0": 2, "q5_0": 8}  # llama_ftype
 
 
@@ -38,12 +40,6 @@ def quantize(src: Path, dst: Path, kind: str) -> Path:
     if rc != 0:
         raise SystemExit(f"llama_model_quantize({kind}) failed: {rc}")
     return dst
-
-
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    x -= x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
 def llama_cpp_logits(path: Path, windows) -> list[np.ndarray]:

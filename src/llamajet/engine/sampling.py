@@ -20,7 +20,7 @@ knows nothing of grammars (server/grammar.py implements one with llguidance).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence as Seq
+from typing import Protocol
 
 import numpy as np
 
@@ -124,9 +124,10 @@ class Constraint(Protocol):
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """float64 log-softmax over the last axis (a row, or rows of logits)."""
     x = np.asarray(logits, dtype=np.float64)
-    m = x.max()
-    return x - (m + np.log(np.exp(x - m).sum()))
+    m = x.max(-1, keepdims=True)
+    return x - (m + np.log(np.exp(x - m).sum(-1, keepdims=True)))
 
 
 def top_logprobs(lp: np.ndarray, k: int) -> tuple[tuple[int, float], ...]:

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from llamajet.engine.sampling import log_softmax
+
 DEFAULT_CORPUS = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "corpora" / "wikitext-2-raw-test.txt"
 
 
@@ -71,13 +73,6 @@ def corpus_windows(tokenizer, text: str, window: int, n_windows: int) -> list[li
     if n == 0:
         raise ValueError(f"corpus too short for one window of {window} tokens")
     return [ids[i * window : (i + 1) * window] for i in range(n)]
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    x = logits.astype(np.float64)
-    x -= x.max(-1, keepdims=True)
-    x -= np.log(np.exp(x).sum(-1, keepdims=True))
-    return x
 
 
 def evaluate(llms: dict, windows: list[list[int]], reference: str | None = None,

@@ -175,6 +175,20 @@ def dequantize(w: Weight) -> np.ndarray:
 # ------------------------------------------------------------------ quantizers
 
 
+def rtn_scales(x: np.ndarray, scheme: QuantScheme) -> tuple[np.ndarray, np.ndarray | None]:
+    """fp16 scale d (and min m) of each group of x [..., g] (float32) by the
+    RTN rule: sym int4: the first largest-magnitude value maps to code -8 (GGUF
+    Q4_0); asym int4: [min, max] over 15 steps (Q4_1); int8: amax / 127."""
+    x = np.asarray(x, np.float32)
+    if scheme.bits == 4 and scheme.symmetric:
+        idx = np.abs(x).argmax(axis=-1)[..., None]
+        return (np.take_along_axis(x, idx, -1)[..., 0] / np.float32(-8)).astype(F16), None
+    if scheme.bits == 4:
+        mn, mx = x.min(axis=-1), x.max(axis=-1)
+        return ((mx - mn) / np.float32(15)).astype(F16), mn.astype(F16)
+    return (np.abs(x).max(axis=-1) / np.float32(127)).astype(F16), None
+
+
 def quantize_rtn(name: str, w: np.ndarray, scheme: QuantScheme | str, kind: Kind = Kind.MATRIX,
                  rope_interleaved: bool = False) -> Weight:
     """Round-to-nearest quantization of float weights [N, K] (rule: module docstring)."""
@@ -182,24 +196,14 @@ def quantize_rtn(name: str, w: np.ndarray, scheme: QuantScheme | str, kind: Kind
     n, k = w.shape
     g, n_pad, k_pad, _, _ = _geometry(scheme, (n, k))
     x = _pad(np.asarray(w, np.float32), n_pad, k_pad).reshape(n_pad, k_pad // g, g)
-    one = np.float32(1)
+    d, m = rtn_scales(x, scheme)
+    inv = np.divide(np.float32(1), d.astype(np.float32), out=np.zeros(d.shape, np.float32), where=d != 0)
     if scheme.bits == 4 and scheme.symmetric:
-        idx = np.abs(x).argmax(axis=-1)[..., None]
-        d = (np.take_along_axis(x, idx, -1)[..., 0] / np.float32(-8)).astype(F16)
-        inv = np.divide(one, d.astype(np.float32), out=np.zeros(d.shape, np.float32), where=d != 0)
         codes = np.clip(np.rint(x * inv[..., None]) + 8, 0, 15).astype(np.uint8)
-        m = None
     elif scheme.bits == 4:
-        mn, mx = x.min(axis=-1), x.max(axis=-1)
-        d = ((mx - mn) / np.float32(15)).astype(F16)
-        m = mn.astype(F16)
-        inv = np.divide(one, d.astype(np.float32), out=np.zeros(d.shape, np.float32), where=d != 0)
         codes = np.clip(np.rint((x - m.astype(np.float32)[..., None]) * inv[..., None]), 0, 15).astype(np.uint8)
     else:
-        d = (np.abs(x).max(axis=-1) / np.float32(127)).astype(F16)
-        inv = np.divide(one, d.astype(np.float32), out=np.zeros(d.shape, np.float32), where=d != 0)
         codes = np.clip(np.rint(x * inv[..., None]), -127, 127).astype(np.int8)
-        m = None
     return pack(name, scheme, (n, k), codes.reshape(n_pad, k_pad), d, m, kind, rope_interleaved)
 
 

@@ -42,9 +42,9 @@ def calibration_windows(tokenizer, text: str, n: int, length: int) -> list[list[
 
 
 def _rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    x64 = x.astype(np.float32)
-    r = 1.0 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
-    return (x64 * r * w).astype(np.float32)
+    xf = x.astype(np.float32)
+    r = 1.0 / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * r * w).astype(np.float32)
 
 
 def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, heads: int, kv_heads: int, hd: int) -> np.ndarray:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llamajet.formats.packed import F16, T, _geometry, pack
+from llamajet.formats.packed import F16, T, _geometry, pack, rtn_scales
 from llamajet.formats.schemes import QuantScheme
 from llamajet.formats.weight import Kind, Weight
 
@@ -43,30 +43,23 @@ def group_params(x: np.ndarray, scheme: QuantScheme, search: bool = False) -> tu
     rule; with `search`, the rule's range shrunk by the factor (1 .. 0.7)
     whose rounding error sum (x - q)^2 is least, row by row (clipping a few
     outliers buys finer steps for the rest)."""
-    if search:
-        best_d, best_m, best_e = None, None, None
-        for f in SHRINK:
-            d, m = group_params(np.asarray(x, np.float64) * f, scheme)
-            _, q = round_to(np.asarray(x, np.float64), d[:, None] if d.ndim == 1 else d,
-                            None if m is None else m[:, None], scheme)
-            e = ((np.asarray(x, np.float64) - q) ** 2).sum(axis=-1)
-            if best_e is None:
-                best_d, best_m, best_e = d.copy(), None if m is None else m.copy(), e
-                continue
-            better = e < best_e
-            best_d[better] = d[better]
-            if m is not None:
-                best_m[better] = m[better]
-            best_e = np.where(better, e, best_e)
-        return best_d, best_m
-    x = np.asarray(x, np.float32)
-    if scheme.bits == 4 and scheme.symmetric:
-        idx = np.abs(x).argmax(axis=-1)[:, None]
-        return (np.take_along_axis(x, idx, -1)[:, 0] / np.float32(-8)).astype(F16), None
-    if scheme.bits == 4:
-        mn, mx = x.min(axis=-1), x.max(axis=-1)
-        return ((mx - mn) / np.float32(15)).astype(F16), mn.astype(F16)
-    return (np.abs(x).max(axis=-1) / np.float32(127)).astype(F16), None
+    if not search:
+        return rtn_scales(x, scheme)
+    x64 = np.asarray(x, np.float64)
+    best_d, best_m, best_e = None, None, None
+    for f in SHRINK:
+        d, m = rtn_scales(x64 * f, scheme)
+        _, q = round_to(x64, d[:, None], None if m is None else m[:, None], scheme)
+        e = ((x64 - q) ** 2).sum(axis=-1)
+        if best_e is None:
+            best_d, best_m, best_e = d, m, e
+            continue
+        better = e < best_e
+        best_d[better] = d[better]
+        if m is not None:
+            best_m[better] = m[better]
+        best_e = np.where(better, e, best_e)
+    return best_d, best_m
 
 
 def round_to(w: np.ndarray, d: np.ndarray, m: np.ndarray | None, scheme: QuantScheme) -> tuple[np.ndarray, np.ndarray]:
