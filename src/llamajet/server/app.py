@@ -118,9 +118,7 @@ def create_app(settings: ServerSettings, load: Callable[[], Any] | Any) -> FastA
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state.idle = asyncio.Event()
-        state.idle.set()
-        if callable(load) and not hasattr(load, "engine"):
+        if callable(load):
             threading.Thread(target=load_in_thread, name="llamajet-load", daemon=True).start()
         else:
             await asyncio.to_thread(install, load)
@@ -157,13 +155,14 @@ def create_app(settings: ServerSettings, load: Callable[[], Any] | Any) -> FastA
 
             try:
                 if path.startswith(protected):
+                    headers = dict(scope["headers"])
                     if settings.api_key is not None:
-                        auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+                        auth = headers.get(b"authorization", b"").decode("latin-1")
                         if auth != f"Bearer {settings.api_key}":
                             return await reply(401, error_body(401, "missing or wrong API key (Authorization: "
                                                                "Bearer <key>)", "authentication_error",
                                                                code="invalid_api_key"))
-                    length = dict(scope["headers"]).get(b"content-length")
+                    length = headers.get(b"content-length")
                     limit = settings.max_body_bytes
                     if length is not None and length.isdigit() and int(length) > limit:
                         return await reply(413, error_body(413, f"request body of {int(length)} bytes is over the "
@@ -327,10 +326,8 @@ def create_app(settings: ServerSettings, load: Callable[[], Any] | Any) -> FastA
         info["group"]: its Sequences, once they exist."""
         m, name = state.metrics, settings.model_name
         last: dict[int, float] = {}
-        group_box: list = []
 
         def on_open(group):
-            group_box.extend(group)
             state.groups[key] = group
             info["group"] = group
 
@@ -356,8 +353,8 @@ def create_app(settings: ServerSettings, load: Callable[[], Any] | Any) -> FastA
             if state.inflight == 0:
                 state.idle.set()
             state.groups.pop(key, None)
-            if group_box:
-                head = group_box[0]
+            if "group" in info:
+                head = info["group"][0]
                 m.prompt_tokens.labels(name).inc(len(ids))
                 m.prefix_queries.labels(name).inc(len(ids))
                 m.prefix_hits.labels(name).inc(head.num_cached_tokens)

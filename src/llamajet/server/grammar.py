@@ -11,7 +11,6 @@ grammar is complete.
 
 from __future__ import annotations
 
-import json
 import threading
 from typing import Any
 
@@ -97,7 +96,3 @@ class Grammars:
             raise RequestError(f"{param}: {m.get_error()}")
         return GrammarConstraint(m)
 
-
-def lark_json(schema: dict[str, Any]) -> str:
-    """A lark rule body matching JSON that follows `schema`."""
-    return "%json " + json.dumps(schema)

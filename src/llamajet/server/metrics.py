@@ -16,15 +16,6 @@ _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.
             20.0, 40.0, 80.0, 160.0, 640.0)
 _ITL = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
-# Every metric name exposed (tests check that deploy/ uses only these).
-NAMES = (
-    "llamajet:num_requests_running", "llamajet:num_requests_waiting", "llamajet:kv_cache_usage_perc",
-    "llamajet:prefix_cache_queries", "llamajet:prefix_cache_hits", "llamajet:prompt_tokens",
-    "llamajet:generation_tokens", "llamajet:request_success", "llamajet:request_failure",
-    "llamajet:num_preemptions", "llamajet:time_to_first_token_seconds", "llamajet:inter_token_latency_seconds",
-    "llamajet:e2e_request_latency_seconds", "llamajet:request_queue_time_seconds", "llamajet:http_requests",
-)
-
 
 class Metrics:
     def __init__(self, model_name: str) -> None:

@@ -128,8 +128,6 @@ def history_message(m: Any) -> dict:
                 args = c.function.arguments
             calls.append({"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": args}})
         d["tool_calls"] = calls
-        if d["content"] is None:
-            d["content"] = ""
     if d["content"] is None:
         d["content"] = ""
     return d
