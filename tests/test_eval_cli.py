@@ -23,7 +23,7 @@ def test_eval_scores_configs_on_the_same_windows(stories_hf, tmp_path):
 
     text = tmp_path / "text.txt"
     text.write_text(("Once upon a time there was a little girl named Lily. She liked to play in the park "
-                     "with her dog, and one day she found a shiny red ball under a tree. ") * 20)
+                     "with her dog, and one day she found a shiny red ball under a tree. ") * 40)
     out = tmp_path / "r.json"
     assert main(["eval", "--model", str(stories_hf), "--text", str(text), "--scheme", "int8_g32,int4_sym_g32",
                  "--ctx", "128", "--windows", "3", "--json", str(out)]) == 0
@@ -46,6 +46,10 @@ def test_eval_scores_configs_on_the_same_windows(stories_hf, tmp_path):
     # int4 g32: 4 bits + an fp16 scale per 32 = 4.5, plus the 16-row tiles' padding
     assert 4.5 <= r["int4_sym_g32"]["bits_per_weight"] < r["int8_g32"]["bits_per_weight"] < 32
     assert r["float"]["bits_per_weight"] == 32
+    # single-stream speed of every configuration but the float reference, timed on other text
+    for name in ("default", "int8_g32", "int4_sym_g32"):
+        assert r[name]["prefill_tok_s"] > 0 and r[name]["decode_tok_s"] > 0
+    assert np.isnan(r["float"]["prefill_tok_s"])
 
 
 def test_eval_needs_a_text(tmp_path, capsys):

@@ -156,8 +156,11 @@ def cmd_quantize(a) -> int:
 
     print(quantize_model(a.input, a.output, a.scheme, force=a.force, method=a.method, calib=a.calib,
                          calib_seqs=a.calib_seqs, calib_len=a.calib_len, act_order=a.act_order, embed_scheme=a.embed_scheme,
-                         scale_search=a.scale_search,
+                         scale_search=a.scale_search, bias_correction=a.bias_correction, report=a.report,
+                         qat_steps=a.qat_steps, qat_lr=a.qat_lr, qat_len=a.qat_len,
                          progress=progress).format())
+    if a.report:
+        print(f"  report:  {a.report}/report.md (per-layer errors, plots)")
     return 0
 
 
@@ -273,8 +276,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a scheme name (int4_sym_g32, int4_asym_g32, int8_g32, int8_pc, ...) or 'keep': "
                         "GGUF Q4_0/Q4_1/Q8_0 repacked without loss, float matrices left as they are")
     q.add_argument("--force", action="store_true", help="write into a non-empty output folder")
-    q.add_argument("--method", default="rtn", choices=("rtn", "gptq"),
-                   help="rtn: round to nearest; gptq: error-compensated against calibration inputs (needs --calib)")
+    q.add_argument("--method", default="rtn", choices=("rtn", "gptq", "awq", "smoothquant", "qat"),
+                   help="rtn: round to nearest; gptq: error-compensated against calibration inputs; awq: "
+                        "activation-aware input scales and clipping; smoothquant: activation range moved into "
+                        "the weights, for W8A8 (int8_pc); qat: fine-tuned through fake quantization, distilled "
+                        "from the float model (PyTorch); all but rtn need --calib")
     q.add_argument("--calib", default=None, metavar="FILE", help="calibration text (not the text you evaluate on)")
     q.add_argument("--calib-seqs", type=int, default=128, help="calibration windows (default: 128)")
     q.add_argument("--calib-len", type=int, default=512, help="tokens per calibration window (default: 512)")
@@ -283,6 +289,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPTQ: each group's range shrunk by the factor of least rounding error (default: on)")
     q.add_argument("--embed-scheme", default=None, metavar="NAME",
                    help="scheme of the token embedding and output head (default: --scheme), e.g. int8_g32")
+    q.add_argument("--bias-correction", action="store_true",
+                   help="give each decoder matrix the bias that cancels its mean output shift on the "
+                        "calibration inputs (any method; needs --calib)")
+    q.add_argument("--report", default=None, metavar="DIR",
+                   help="write per-layer weight and output errors (JSON, markdown, PNG plots) to DIR; "
+                        "output errors need --calib")
+    q.add_argument("--qat-steps", type=int, default=300, help="QAT: optimizer steps (default: 300)")
+    q.add_argument("--qat-lr", type=float, default=5e-5, help="QAT: peak learning rate (default: 5e-5)")
+    q.add_argument("--qat-len", type=int, default=256, help="QAT: tokens per training window (default: 256)")
     q.set_defaults(fn=cmd_quantize)
     b = sub.add_parser("bench", help="single-stream prefill/decode speed (optionally beside llama.cpp); "
                                      "with --batch, throughput at several batch sizes and KV use")
@@ -302,6 +317,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="perplexity, KL and top-1 vs the float model, size and speed of several "
                                      "configurations on the same windows of a text")
     _add_model_args(ev, only=("n_threads", "isa", "kernels", "kv_dtype", "fuse"))
+    ev.add_argument("--speed", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time single-stream prefill and decode of every configuration (default: on; "
+                         "prompts from the text after the scored windows)")
+    ev.add_argument("--report", default=None, metavar="DIR",
+                    help="also write per-layer weight and output errors of every configuration (JSON, markdown, "
+                         "PNG plots) to DIR")
     ev.add_argument("--text", required=True, help="the evaluation text (a UTF-8 file)")
     ev.add_argument("--scheme", default=None, help="schemes to quantize to at load, comma-separated")
     ev.add_argument("--saved", action="append", default=None, metavar="DIR",

@@ -189,13 +189,11 @@ def rtn_scales(x: np.ndarray, scheme: QuantScheme) -> tuple[np.ndarray, np.ndarr
     return (np.abs(x).max(axis=-1) / np.float32(127)).astype(F16), None
 
 
-def quantize_rtn(name: str, w: np.ndarray, scheme: QuantScheme | str, kind: Kind = Kind.MATRIX,
-                 rope_interleaved: bool = False) -> Weight:
-    """Round-to-nearest quantization of float weights [N, K] (rule: module docstring)."""
-    scheme = get_scheme(scheme) if isinstance(scheme, str) else scheme
-    n, k = w.shape
-    g, n_pad, k_pad, _, _ = _geometry(scheme, (n, k))
-    x = _pad(np.asarray(w, np.float32), n_pad, k_pad).reshape(n_pad, k_pad // g, g)
+def _rtn(w: np.ndarray, scheme: QuantScheme, n_rows: int):
+    """RTN codes [n_rows, K_pad] and fp16 scales d (mins m) [n_rows, n_groups] of w [N, K]
+    (columns padded as the packing pads them, rows with zeros up to n_rows)."""
+    g, _, k_pad, _, _ = _geometry(scheme, w.shape)
+    x = _pad(np.asarray(w, np.float32), n_rows, k_pad).reshape(n_rows, k_pad // g, g)
     d, m = rtn_scales(x, scheme)
     inv = np.divide(np.float32(1), d.astype(np.float32), out=np.zeros(d.shape, np.float32), where=d != 0)
     if scheme.bits == 4 and scheme.symmetric:
@@ -204,7 +202,31 @@ def quantize_rtn(name: str, w: np.ndarray, scheme: QuantScheme | str, kind: Kind
         codes = np.clip(np.rint((x - m.astype(np.float32)[..., None]) * inv[..., None]), 0, 15).astype(np.uint8)
     else:
         codes = np.clip(np.rint(x * inv[..., None]), -127, 127).astype(np.int8)
-    return pack(name, scheme, (n, k), codes.reshape(n_pad, k_pad), d, m, kind, rope_interleaved)
+    return codes.reshape(n_rows, k_pad), d, m
+
+
+def quantize_rtn(name: str, w: np.ndarray, scheme: QuantScheme | str, kind: Kind = Kind.MATRIX,
+                 rope_interleaved: bool = False) -> Weight:
+    """Round-to-nearest quantization of float weights [N, K] (rule: module docstring)."""
+    scheme = get_scheme(scheme) if isinstance(scheme, str) else scheme
+    _, n_pad, _, _, _ = _geometry(scheme, w.shape)
+    codes, d, m = _rtn(w, scheme, n_pad)
+    return pack(name, scheme, tuple(w.shape), codes, d, m, kind, rope_interleaved)
+
+
+def rtn_dequant(w: np.ndarray, scheme: QuantScheme) -> np.ndarray:
+    """float64 [N, K]: the values RTN gives w, as dequantize(quantize_rtn(w)) without the packing
+    (the methods' searches call it many times)."""
+    n, k = w.shape
+    g = scheme.group_for(k)
+    codes, d, m = _rtn(w, scheme, n)
+    c = codes.astype(np.float64).reshape(n, -1, g)
+    if scheme.bits == 4 and scheme.symmetric:
+        c = c - 8
+    v = c * d.astype(np.float64)[..., None]
+    if m is not None:
+        v = v + m.astype(np.float64)[..., None]
+    return v.reshape(n, -1)[:, :k]
 
 
 # ------------------------------------------------------------------ activations

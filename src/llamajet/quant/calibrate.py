@@ -1,29 +1,39 @@
-"""Calibration: run the model over calibration text and hand each linear
-layer its inputs, layer after layer, so a method quantizes a layer seeing the
-outputs of the layers it already quantized (GPTQ's sequential order).
+"""Calibration: run the model over calibration text and hand each group of
+linear layers its inputs, layer after layer, so a method quantizes a layer
+seeing the outputs of the layers it already quantized (GPTQ's sequential order).
 
 The forward here is numpy (float32 matmuls, the model's own ops as
 ops/ref.py defines them: RMSNorm, RoPE in the weights' pair order, causal
-GQA attention, SwiGLU), over the canonical float weights (a GGUF's blocks
-dequantized). It is the calibration path only: the engine's steps are not
-touched, so ordinary inference pays nothing for it. Inside a layer the
-order is "true sequential": q/k/v are quantized from the attention norm's
-output, the attention output projection from the attention computed with
-the quantized q/k/v, gate/up from the MLP norm's output after the quantized
-attention block, down from the activation of the quantized gate/up.
+GQA attention, SwiGLU, the checkpoint's biases), over the canonical float
+weights (a GGUF's blocks dequantized). It is the calibration path only: the
+engine's steps are not touched, so ordinary inference pays nothing for it.
+Inside a layer the order is "true sequential": q/k/v are quantized from the
+attention norm's output, the attention output projection from the attention
+computed with the quantized q/k/v, gate/up from the MLP norm's output after
+the quantized attention block, down from the activation of the quantized
+gate/up.
+
+A method (class Method) sees each group's Inputs (Gram 2XᵀX, per-channel
+mean, mean |x|, max |x|, a sample of rows) and may first return a smoothing
+s per input channel (AWQ, SmoothQuant): the group's matrices become W·diag(s)
+and s is folded into the input's producer, so the float model is unchanged —
+q/k/v and gate/up into their RMSNorm's weight (÷ s), down into up's rows
+(÷ s; chosen from the float gate/up before those are quantized). The
+attention output projection has no such producer (its input mixes v across
+the heads that share it), so it is never smoothed.
 
     calibration_windows(tokenizer, text, n=128, length=512)  -> token windows
-    sequential(model, windows, quantize_layer, progress)      -> {name: Weight}
-where quantize_layer(names, W-list, H) returns (dequantized W-list, packed Weights).
+    sequential(model, windows, method, progress, bias_correction=, report_scheme=) -> Calibrated
 """
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import numpy as np
 
-from llamajet.errors import LlamajetError, UnsupportedModelError
+from llamajet.errors import LlamajetError
 from llamajet.ops import ref
 
 
@@ -61,62 +71,232 @@ def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, heads: int, kv_heads
     return o.transpose(2, 0, 1, 3).reshape(T, heads * hd)
 
 
-def _gram(x: np.ndarray) -> np.ndarray:
-    """2 X^T X over every token of x [S, T, K] (float64)."""
+def _gram(x: np.ndarray, blocks: int = 4) -> np.ndarray:
+    """2 X^T X over every token of x [S, T, K] (float32 products, float64 result). Symmetric: only
+    the blocks on and above the diagonal are multiplied (10 of 16 with 4 blocks), the rest mirrored."""
     flat = x.reshape(-1, x.shape[-1])
-    return 2.0 * (flat.T @ flat).astype(np.float64)
+    K = flat.shape[1]
+    edges = np.linspace(0, K, min(blocks, K) + 1).astype(int)
+    g = np.empty((K, K), np.float64)
+    for i in range(len(edges) - 1):
+        a = flat[:, edges[i]:edges[i + 1]]
+        for j in range(i, len(edges) - 1):
+            blk = (a.T @ flat[:, edges[j]:edges[j + 1]]).astype(np.float64)
+            g[edges[i]:edges[i + 1], edges[j]:edges[j + 1]] = blk
+            g[edges[j]:edges[j + 1], edges[i]:edges[i + 1]] = blk.T
+    return 2.0 * g
 
 
-LayerQuantizer = Callable[[list[str], list[np.ndarray], np.ndarray], tuple[list[np.ndarray], dict]]
+SMOOTH_TOKENS = 16384  # tokens down's smoothing is chosen from (the float MLP, computed only for that)
+SAMPLE = 512  # tokens of each input kept as rows (the methods that simulate activation rounding use them)
 
 
-def sequential(model, windows: list[list[int]], quantize: LayerQuantizer,
-               progress: Callable[[int, int], None] | None = None, hidden: list | None = None) -> dict:
-    """Quantizes every decoder matrix of `model` in order (module docstring);
-    returns {canonical name: packed Weight}. `hidden` (a list) receives the
-    last layer's output [S, T, D] (for checking the forward)."""
+class Inputs:
+    """Calibration statistics of the input a group of linear layers shares
+    (x [tokens, K]): the Gram 2 XᵀX (the output error of any Ŵ is
+    tr(ΔW XᵀX ΔWᵀ)), per channel E[x], E|x| and max|x|, and a fixed sample
+    of its rows. The Gram (the costly one: tokens x K² multiply-adds) is
+    computed when a method first reads it."""
+
+    def __init__(self, x: np.ndarray, gram: np.ndarray | None = None):
+        self.x = x.reshape(-1, x.shape[-1])
+        self.tokens = len(self.x)
+        a = np.abs(self.x)
+        self.mean = self.x.mean(0, dtype=np.float64)
+        self.absmean = a.mean(0, dtype=np.float64)
+        self.absmax = a.max(0).astype(np.float64)
+        rows = np.random.default_rng(0).permutation(self.tokens)[:SAMPLE]
+        self.sample = np.ascontiguousarray(self.x[np.sort(rows)])
+        self._gram = gram
+
+    @property
+    def gram(self) -> np.ndarray:
+        if self._gram is None:
+            self._gram = _gram(self.x)
+        return self._gram
+
+    def divided(self, s: np.ndarray) -> "Inputs":
+        """The statistics of x / s (a smoothing folded into the input's producer)."""
+        return Inputs((self.x / s).astype(np.float32),
+                      None if self._gram is None else self._gram / np.outer(s, s))
+
+
+def output_error(dw: np.ndarray, gram: np.ndarray) -> float:
+    """||ΔW Xᵀ||² over the calibration tokens, from the Gram (2 XᵀX): tr(ΔW G ΔWᵀ) / 2."""
+    return float(np.einsum("nk,nk->", dw @ gram, dw)) / 2.0
+
+
+class Method:
+    """A calibrated quantization method, one group of linear layers at a time
+    (the layers that read one input: q/k/v, attention output, gate/up, down).
+
+    smooth(names, ws, inputs) -> per-input-channel scales s, or None:
+        the layers become W·diag(s) and their input x/s (s is folded into the
+        input's producer: the RMSNorm's weight, or the rows of up for down);
+        called only where such a producer exists (`foldable`).
+    quantize(names, ws, inputs) -> (dequantized Ŵ list, {name: packed Weight})."""
+
+    smooths = False  # whether smooth() may return scales (the forward prepares down's inputs for it)
+
+    def smooth(self, names: list[str], ws: list[np.ndarray], inputs: Inputs) -> np.ndarray | None:
+        return None
+
+    def quantize(self, names: list[str], ws: list[np.ndarray], inputs: Inputs) -> tuple[list[np.ndarray], dict]:
+        raise NotImplementedError
+
+
+@dataclass
+class LayerRecord:
+    """What quantizing one matrix cost, for the report: weight error and the
+    output error on the calibration inputs (both as SQNR, dB), and RTN's
+    output SQNR on the same matrix and inputs (unsmoothed, for comparison)."""
+
+    name: str
+    layer: int
+    shape: tuple[int, int]
+    weight_mse: float
+    weight_sqnr_db: float
+    output_sqnr_db: float
+    rtn_output_sqnr_db: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _sqnr(signal: float, noise: float) -> float:
+    return float("inf") if noise <= 0 else 10.0 * np.log10(max(signal, 1e-300) / noise)
+
+
+@dataclass
+class Calibrated:
+    """sequential's result: packed matrices, the float tensors it changed or
+    added (RMSNorm weights that absorbed a smoothing, bias corrections), and
+    one record per matrix when a report was asked for."""
+
+    packed: dict = field(default_factory=dict)
+    floats: dict = field(default_factory=dict)
+    records: list[LayerRecord] = field(default_factory=list)
+    # the smoothings, per matrix: saved = diag(1/rows) W diag(cols) before quantizing (the report undoes them)
+    cols: dict = field(default_factory=dict)
+    rows: dict = field(default_factory=dict)
+
+
+def sequential(model, windows: list[list[int]], method: Method, progress: Callable[[int, int], None] | None = None,
+               hidden: list | None = None, bias_correction: bool = False, report_scheme=None) -> Calibrated:
+    """Quantizes every decoder matrix of `model` in order (module docstring).
+    bias_correction: each matrix gets the bias b += (W - Ŵ) E[x] over its
+    calibration inputs (the mean output shift its rounding causes), used by
+    the layers after it. report_scheme: record each matrix's errors
+    (LayerRecord; RTN under this scheme as the comparison). `hidden` (a list)
+    receives the last layer's output [S, T, D] (for checking the forward)."""
     cfg, W = model.config, model.weights
-    if cfg.attention_bias or cfg.mlp_bias:
-        raise UnsupportedModelError("calibrated methods do not handle attention/MLP biases yet")
     H, KV, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
     cos, sin = ref.rope_tables(cfg.rope_inv_freq(), max(len(w) for w in windows))
     pos = np.arange(len(windows[0]))
     emb = W["token_embd"].to_f32()
     h = np.stack([emb[np.asarray(w)] for w in windows]).astype(np.float32)  # [S, T, D]
-    out: dict = {}
+    res = Calibrated()
 
     def f32(name):
         return W[name].to_f32().astype(np.float32)
 
+    def bias(name):  # the checkpoint's bias (or 0) plus any correction made so far
+        b = res.floats.get(name + ".bias")
+        if b is None and name + ".bias" in W:
+            b = f32(name + ".bias")
+        return b
+
+    def run(names, ws, inputs, layer, s=None):
+        deq, packed = method.quantize(names, ws, inputs)
+        res.packed.update(packed)
+        for name, w, q in zip(names, ws, deq):
+            dw = np.asarray(w, np.float64) - q
+            if bias_correction:
+                b = bias(name)
+                res.floats[name + ".bias"] = ((0 if b is None else b) + dw @ inputs.mean).astype(np.float32)
+            if report_scheme is not None:
+                res.records.append(_record(name, layer, w, dw, inputs, s, f32(name), report_scheme))
+        return [np.asarray(q, np.float32) for q in deq]
+
+    def lin(x, w, name):
+        y = x @ w.T
+        b = bias(name)
+        return y if b is None else y + b
+
+    def smooth(names, ws, inputs):
+        s = method.smooth(names, ws, inputs)
+        if s is None:
+            return ws, inputs, None
+        res.cols.update({n: s.astype(np.float32) for n in names})
+        return [(w * s).astype(np.float32) for w in ws], inputs.divided(s), s
+
     for layer in range(cfg.num_layers):
         p = f"blk.{layer}."
-        xa = _rmsnorm(h, f32(p + "attn_norm"), eps)
+        an, fn = f32(p + "attn_norm"), f32(p + "ffn_norm")
+        xa = _rmsnorm(h, an, eps)
         names = [p + "attn_q", p + "attn_k", p + "attn_v"]
-        (wq, wk, wv), packed = quantize(names, [f32(n) for n in names], _gram(xa))
-        out.update(packed)
+        ws, ia, s = smooth(names, [f32(n) for n in names], Inputs(xa))
+        if s is not None:  # folded into the attention norm
+            an = (an / s).astype(np.float32)
+            res.floats[p + "attn_norm"] = an
+            xa = _rmsnorm(h, an, eps)
+        wq, wk, wv = run(names, ws, ia, layer, s)
         att = np.empty((h.shape[0], h.shape[1], H * hd), np.float32)
-        for s in range(h.shape[0]):
-            q = ref.rope(xa[s] @ wq.T, pos, cos, sin, H, hd, W[p + "attn_q"].rope_interleaved)
-            k = ref.rope(xa[s] @ wk.T, pos, cos, sin, KV, hd, W[p + "attn_k"].rope_interleaved)
-            att[s] = _attention(q.astype(np.float32), k.astype(np.float32), (xa[s] @ wv.T).astype(np.float32),
-                                H, KV, hd)
-        (wo,), packed = quantize([p + "attn_output"], [f32(p + "attn_output")], _gram(att))
-        out.update(packed)
-        h = h + (att @ wo.T).astype(np.float32)
+        for i in range(h.shape[0]):
+            q = ref.rope(lin(xa[i], wq, names[0]), pos, cos, sin, H, hd, W[names[0]].rope_interleaved)
+            k = ref.rope(lin(xa[i], wk, names[1]), pos, cos, sin, KV, hd, W[names[1]].rope_interleaved)
+            att[i] = _attention(q.astype(np.float32), k.astype(np.float32),
+                                lin(xa[i], wv, names[2]).astype(np.float32), H, KV, hd)
+        o = p + "attn_output"
+        (wo,) = run([o], [f32(o)], Inputs(att), layer)  # no producer to fold into (attention mixes v)
+        h = h + lin(att, wo, o).astype(np.float32)
         del att, xa
-        xm = _rmsnorm(h, f32(p + "ffn_norm"), eps)
-        names = [p + "ffn_gate", p + "ffn_up"]
-        (wg, wu), packed = quantize(names, [f32(n) for n in names], _gram(xm))
-        out.update(packed)
-        g = xm @ wg.T
-        act = (g / (1.0 + np.exp(-g)) * (xm @ wu.T)).astype(np.float32)
+        xm = _rmsnorm(h, fn, eps)
+        names, dn = [p + "ffn_gate", p + "ffn_up"], p + "ffn_down"
+        wg, wu, wd = f32(names[0]), f32(names[1]), f32(dn)
+        # down's smoothing first, from the float gate/up (over a sample of SMOOTH_TOKENS tokens), so it can
+        # fold into up's rows before up is quantized
+        sd = None
+        if method.smooths:
+            xs = xm.reshape(-1, xm.shape[-1])[np.random.default_rng(1).permutation(xm.shape[0] * xm.shape[1])
+                                              [:SMOOTH_TOKENS]]
+            g = lin(xs, wg, names[0])
+            sd = method.smooth([dn], [wd], Inputs(g / (1.0 + np.exp(-g)) * lin(xs, wu, names[1])))
+            del g, xs
+        if sd is not None:
+            res.cols[dn], res.rows[names[1]] = sd.astype(np.float32), sd.astype(np.float32)
+            wu, wd = (wu / sd[:, None]).astype(np.float32), (wd * sd).astype(np.float32)
+            if bias(names[1]) is not None:
+                res.floats[names[1] + ".bias"] = (bias(names[1]) / sd).astype(np.float32)
+        ws, im, s = smooth(names, [wg, wu], Inputs(xm))
+        if s is not None:
+            fn = (fn / s).astype(np.float32)
+            res.floats[p + "ffn_norm"] = fn
+            xm = _rmsnorm(h, fn, eps)
+        wg, wu = run(names, ws, im, layer, s)
+        g = lin(xm, wg, names[0])
+        act = (g / (1.0 + np.exp(-g)) * lin(xm, wu, names[1])).astype(np.float32)
         del g, xm
-        (wd,), packed = quantize([p + "ffn_down"], [f32(p + "ffn_down")], _gram(act))
-        out.update(packed)
-        h = h + (act @ wd.T).astype(np.float32)
+        (wd,) = run([dn], [wd], Inputs(act), layer, sd)
+        h = h + lin(act, wd, dn).astype(np.float32)
         del act
         if progress is not None:
             progress(layer + 1, cfg.num_layers)
     if hidden is not None:
         hidden.append(h)
-    return out
+    return res
+
+
+def _record(name, layer, w, dw, inputs: Inputs, s, src, scheme) -> LayerRecord:
+    """The errors of one matrix: w (smoothed by s, or not) quantized with
+    error dw against `inputs`; RTN of the source matrix `src` on the
+    unsmoothed inputs (Gram · s sᵀ) for comparison."""
+    from llamajet.formats.packed import dequantize, quantize_rtn
+
+    w64, src = np.asarray(w, np.float64), np.asarray(src, np.float64)
+    g_src = inputs.gram if s is None else inputs.gram * np.outer(s, s)
+    rtn = dequantize(quantize_rtn(name, src.astype(np.float32), scheme))
+    noise_w = float((dw ** 2).sum())
+    return LayerRecord(name, layer, tuple(w64.shape), noise_w / w64.size, _sqnr(float((w64 ** 2).sum()), noise_w),
+                       _sqnr(output_error(w64, inputs.gram), output_error(dw, inputs.gram)),
+                       _sqnr(output_error(src, g_src), output_error(src - rtn, g_src)))

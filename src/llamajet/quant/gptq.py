@@ -33,7 +33,7 @@ import numpy as np
 from llamajet.formats.packed import F16, T, _geometry, pack, rtn_scales
 from llamajet.formats.schemes import QuantScheme
 from llamajet.formats.weight import Kind, Weight
-
+from llamajet.quant.calibrate import Inputs, Method
 
 SHRINK = np.linspace(1.0, 0.7, 13)  # range shrink factors the scale search tries
 
@@ -153,3 +153,20 @@ def pack_gptq(name: str, scheme: QuantScheme, shape: tuple[int, int], codes: np.
         mp[:n, : m.shape[1]] = m
     assert n_pad % T == 0
     return pack(name, scheme, shape, c.astype(dt), dp, mp, kind, rope_interleaved)
+
+
+class GPTQ(Method):
+    """GPTQ as a calibrated method (calibrate.sequential): each matrix of a
+    group against the group's Gram."""
+
+    def __init__(self, scheme: QuantScheme, weights, act_order: bool = False, search: bool = True):
+        self.scheme, self.weights, self.act_order, self.search = scheme, weights, act_order, search
+
+    def quantize(self, names: list[str], ws: list[np.ndarray], inputs: Inputs) -> tuple[list[np.ndarray], dict]:
+        deq, packed = [], {}
+        for name, w in zip(names, ws):
+            q, codes, d, m = gptq_quantize(w, inputs.gram, self.scheme, act_order=self.act_order, search=self.search)
+            src = self.weights[name]
+            packed[name] = pack_gptq(name, self.scheme, tuple(w.shape), codes, d, m, src.kind, src.rope_interleaved)
+            deq.append(q)
+        return deq, packed

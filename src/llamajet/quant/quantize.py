@@ -21,6 +21,7 @@ is written last, so a folder holding it is complete.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
@@ -195,73 +196,148 @@ def _check_out(src: Path, out: Path, force: bool) -> None:
             raise LlamajetError(f"{out}: is where the source lives; write the output elsewhere")
 
 
-METHODS = ("rtn", "gptq")
+METHODS = ("rtn", "gptq", "awq", "smoothquant", "qat")
+CALIBRATED = ("gptq", "awq", "smoothquant", "qat")  # the methods that need --calib
+
+
+def _method(method: str, sch: QuantScheme, model: LoadedModel, act_order: bool, scale_search: bool):
+    if method == "gptq":
+        from llamajet.quant.gptq import GPTQ
+        return GPTQ(sch, model.weights, act_order=act_order, search=scale_search)
+    if method == "awq":
+        from llamajet.quant.awq import AWQ
+        return AWQ(sch, model.weights)
+    if method == "smoothquant":
+        from llamajet.quant.smoothquant import SmoothQuant
+        return SmoothQuant(sch, model.weights)
+    from llamajet.quant.rtn import RTN
+    return RTN(sch, model.weights)
+
+
+def _qat(model, tok, calib, seqs, length, sch, emb_sch, steps, lr, qat_len, progress):
+    """QAT's trained weights as a Calibrated: the linears packed by RTN, the norms as trained."""
+    try:
+        from llamajet.quant.qat import qat_train
+    except ImportError:
+        raise LlamajetError("method qat needs PyTorch: pip install 'llamajet[qat]'") from None
+    from llamajet.formats.packed import quantize_rtn
+    from llamajet.quant.calibrate import Calibrated, calibration_windows
+
+    if steps < 1:
+        raise LlamajetError("QAT needs at least 1 step")
+    windows = calibration_windows(tok, Path(calib).read_text(encoding="utf-8"), seqs, length)
+    res = qat_train(model, windows, sch, steps=steps, lr=lr, seq_len=qat_len, embed_scheme=emb_sch,
+                    progress=progress)
+    cal = Calibrated()
+    for name, v in res.weights.items():
+        w = model.weights[name]
+        if w.kind.quantizable:
+            cal.packed[name] = quantize_rtn(name, v, sch, w.kind, w.rope_interleaved)
+        else:
+            cal.floats[name] = np.asarray(v, np.float32)
+    return cal
+
+
+def _bias_config(model: LoadedModel):
+    """The config under which every decoder projection has a bias (bias correction adds one to each)."""
+    if model.config.architecture != "llama":
+        raise LlamajetError(f"bias correction adds a bias to every projection, which only the llama "
+                            f"architecture's config can state (attention_bias, mlp_bias); this model is "
+                            f"{model.config.architecture!r}")
+    return dataclasses.replace(model.config, attention_bias=True, mlp_bias=True)
 
 
 def quantize_model(src: str | Path, out: str | Path, scheme: str, force: bool = False, method: str = "rtn",
                    calib: str | Path | None = None, calib_seqs: int = 128, calib_len: int = 512,
                    act_order: bool = False, embed_scheme: str | None = None, scale_search: bool = True,
+                   bias_correction: bool = False, report: str | Path | None = None,
+                   qat_steps: int = 300, qat_lr: float = 5e-5, qat_len: int = 256,
                    progress=None) -> QuantizeSummary:
     """Convert the checkpoint ``src`` (HF folder, GGUF, or a saved model) into a
     saved llamajet model in folder ``out`` (see the module docstring).
-    method "gptq" (quant/gptq.py) quantizes the decoder matrices against
-    calibration inputs from the text file `calib` (calib_seqs windows of
-    calib_len tokens); embeddings and the other tensors go as with RTN."""
+    The calibrated methods (gptq, awq, smoothquant; quant/*.py) quantize the
+    decoder matrices against calibration inputs from the text file `calib`
+    (calib_seqs windows of calib_len tokens), layer after layer
+    (quant/calibrate.py); embeddings and the other tensors go as with RTN.
+    bias_correction (any method; needs calib) gives each decoder matrix the
+    bias that cancels its mean output shift on the calibration inputs.
+    report: a folder for the per-layer report (quant/report.py).
+    method "qat" (quant/qat.py, PyTorch: the `qat` extra) fine-tunes the float
+    weights through their fake quantization for qat_steps steps of one
+    window of qat_len tokens, distilled from the float model, then packs RTN
+    of the trained weights (exactly the values it trained with)."""
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
     sch = check_scheme(scheme)
     if method not in METHODS:
         raise LlamajetError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
-    if method != "rtn":
+    calibrated_run = method in CALIBRATED or bias_correction or (report is not None and calib is not None)
+    if calibrated_run:
+        what = f"method {method}" if method in CALIBRATED else ("bias correction" if bias_correction else "--report")
         if sch is None:
-            raise LlamajetError(f"method {method} needs a scheme to quantize to, not {KEEP!r}")
+            raise LlamajetError(f"{what} needs a scheme to quantize to, not {KEEP!r}")
         if calib is None or not Path(calib).is_file():
-            raise LlamajetError(f"method {method} needs --calib FILE, a text file to calibrate on (got {calib})")
+            raise LlamajetError(f"{what} needs --calib FILE, a text file to calibrate on (got {calib})")
         if calib_seqs < 1 or calib_len < 16:
             raise LlamajetError("calibration needs at least 1 window of at least 16 tokens")
     _check_out(src, out, force)
     model = load_model(src)  # before touching out: a bad input leaves nothing behind
     tok = _source_tokenizer(model, src)
+    config = _bias_config(model) if bias_correction else model.config
     # The token embedding and the output head (tied or not) may take their own scheme, as llama.cpp's
     # mixes keep the output matrix at Q6_K: a lookup gains nothing from calibration, and the head's
     # error reaches every logit.
     emb_sch = check_scheme(embed_scheme) if embed_scheme is not None else sch
-    calibrated: dict = {}
-    if method == "gptq":
+    from llamajet.quant.calibrate import Calibrated
+    from llamajet.quant.report import smoothing_meta
+    cal = Calibrated()
+    if method == "qat" and (bias_correction or report is not None):
+        raise LlamajetError("--bias-correction and --report are for the calibrated PTQ methods, not qat")
+    if method == "qat":
+        cal = _qat(model, tok, calib, calib_seqs, calib_len, sch, emb_sch, qat_steps, qat_lr, qat_len, progress)
+    elif calibrated_run:
         from llamajet.quant.calibrate import calibration_windows, sequential
-        from llamajet.quant.gptq import gptq_quantize, pack_gptq
 
         windows = calibration_windows(tok, Path(calib).read_text(encoding="utf-8"), calib_seqs, calib_len)
+        cal = sequential(model, windows, _method(method, sch, model, act_order, scale_search), progress,
+                         bias_correction=bias_correction, report_scheme=sch if report is not None else None)
+    label = method + ("+bc" if bias_correction else "")
 
-        def layer(names, ws, h):
-            deq, packed = [], {}
-            for name, w in zip(names, ws):
-                q, codes, d, m = gptq_quantize(w, h, sch, act_order=act_order, search=scale_search)
-                src_w = model.weights[name]
-                packed[name] = pack_gptq(name, sch, tuple(w.shape), codes, d, m, src_w.kind,
-                                         src_w.rope_interleaved)
-                deq.append(q.astype(np.float32))
-            return deq, packed
+    def plan(w: Weight):
+        if w.name in cal.packed:
+            pw = cal.packed[w.name]
+            return SavedTensor(w.name, w.kind, sch, tuple(w.shape), w.rope_interleaved, lambda: pw.data), \
+                f"{label} {w.dtype}->{sch.name}"
+        if w.name in cal.floats:  # an RMSNorm weight that absorbed a smoothing, a corrected bias
+            v = cal.floats[w.name]
+            return SavedTensor(w.name, w.kind, FLOATS["f32"], tuple(w.shape), w.rope_interleaved, lambda: v), \
+                f"{w.kind.value}s {'corrected' if w.kind is Kind.BIAS else 'smoothed'} (f32)"
+        return _plan(w, emb_sch if (w.kind is Kind.EMBEDDING or w.name == "output") else sch)
 
-        calibrated = sequential(model, windows, layer, progress)
-    plans = [(SavedTensor(w.name, w.kind, sch, tuple(w.shape), w.rope_interleaved,
-                          (lambda pw=calibrated[w.name]: pw.data)), f"{method} {w.dtype}->{sch.name}")
-             if w.name in calibrated else
-             _plan(w, emb_sch if (w.kind is Kind.EMBEDDING or w.name == "output") else sch)
-             for w in model.weights.values()]
+    plans = [plan(w) for w in model.weights.values()]
+    for name, v in cal.floats.items():  # biases the correction added
+        if name not in model.weights:
+            mat = model.weights[name[: -len(".bias")]]
+            plans.append((SavedTensor(name, Kind.BIAS, FLOATS["f32"], v.shape, mat.rope_interleaved,
+                                      lambda v=v: v), "bias corrections added (f32)"))
 
     out.mkdir(parents=True, exist_ok=True)
     size, entries = saved.write_weights(out, [t for t, _ in plans])
     _write_tokenizer(tok, src, out, model.config.max_position_embeddings)
     _check_tokenizer(tok, out)
-    saved.write_meta(out, model.config, entries, scheme=scheme if method == "rtn" else f"{scheme}+{method}",
-                     source=src.name)
+    extra = {"smoothing": smoothing_meta(cal)} if cal.cols else {}
+    saved.write_meta(out, config, entries, scheme=scheme if label == "rtn" else f"{scheme}+{label}",
+                     source=src.name, **extra)
     load_model(out)  # the folder must load: headers, sizes, config (maps, reads no weight bytes)
 
     counts: dict[str, int] = {}
     for _, what in plans:
         counts[what] = counts.get(what, 0) + 1
-    return QuantizeSummary(str(src), str(out), scheme, counts, _bytes_in(src), size, time.perf_counter() - t0)
+    summary = QuantizeSummary(str(src), str(out), scheme, counts, _bytes_in(src), size, time.perf_counter() - t0)
+    if report is not None:
+        from llamajet.quant.report import write_quantize_report
+        write_quantize_report(Path(report), summary, cal.records, method=label, scheme=sch)
+    return summary
 
 
 __all__ = ["quantize_model", "check_scheme", "QuantizeSummary", "KEEP", "LOSSLESS", "METHODS"]
