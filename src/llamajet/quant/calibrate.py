@@ -35,6 +35,7 @@ import numpy as np
 
 from llamajet.errors import LlamajetError
 from llamajet.ops import ref
+from llamajet.quant.bias_correction import corrected_bias
 
 
 def calibration_windows(tokenizer, text: str, n: int, length: int) -> list[list[int]]:
@@ -185,8 +186,7 @@ def sequential(model, windows: list[list[int]], method: Method, progress: Callab
                hidden: list | None = None, bias_correction: bool = False, report_scheme=None) -> Calibrated:
     """Quantizes every decoder matrix of `model` in order (module docstring).
     bias_correction: each matrix gets the bias b += (W - Ŵ) E[x] over its
-    calibration inputs (the mean output shift its rounding causes), used by
-    the layers after it. report_scheme: record each matrix's errors
+    calibration inputs (quant/bias_correction.py), used by the layers after it. report_scheme: record each matrix's errors
     (LayerRecord; RTN under this scheme as the comparison). `hidden` (a list)
     receives the last layer's output [S, T, D] (for checking the forward)."""
     cfg, W = model.config, model.weights
@@ -211,9 +211,8 @@ def sequential(model, windows: list[list[int]], method: Method, progress: Callab
         res.packed.update(packed)
         for name, w, q in zip(names, ws, deq):
             dw = np.asarray(w, np.float64) - q
-            if bias_correction:
-                b = bias(name)
-                res.floats[name + ".bias"] = ((0 if b is None else b) + dw @ inputs.mean).astype(np.float32)
+            if bias_correction:  # quant/bias_correction.py
+                res.floats[name + ".bias"] = corrected_bias(bias(name), w, q, inputs.mean)
             if report_scheme is not None:
                 res.records.append(_record(name, layer, w, dw, inputs, s, f32(name), report_scheme))
         return [np.asarray(q, np.float32) for q in deq]
