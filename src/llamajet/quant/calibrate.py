@@ -52,6 +52,16 @@ def calibration_windows(tokenizer, text: str, n: int, length: int) -> list[list[
     return out
 
 
+def _embed_rows(w, ids: np.ndarray) -> np.ndarray:
+    """float32 rows `ids` of the token embedding; only the rows used are converted when the storage
+    is row-major (float and GGUF block types), not the whole table (1 GB in f32 for Llama-3's)."""
+    if not w.packed and w.data.ndim == 2 and w.data.shape[0] == w.shape[0]:
+        uniq, inv = np.unique(ids, return_inverse=True)
+        rows = w.format.to_f32(w.data[uniq], (len(uniq), w.shape[1]))
+        return np.asarray(rows, np.float32)[inv.reshape(ids.shape)]
+    return w.to_f32().astype(np.float32)[ids]
+
+
 def _rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     xf = x.astype(np.float32)
     r = 1.0 / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + eps)
@@ -193,8 +203,7 @@ def sequential(model, windows: list[list[int]], method: Method, progress: Callab
     H, KV, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
     cos, sin = ref.rope_tables(cfg.rope_inv_freq(), max(len(w) for w in windows))
     pos = np.arange(len(windows[0]))
-    emb = W["token_embd"].to_f32()
-    h = np.stack([emb[np.asarray(w)] for w in windows]).astype(np.float32)  # [S, T, D]
+    h = _embed_rows(W["token_embd"], np.asarray(windows))  # [S, T, D]
     res = Calibrated()
 
     def f32(name):
