@@ -251,7 +251,7 @@ def quantize_model(src: str | Path, out: str | Path, scheme: str, force: bool = 
                    calib: str | Path | None = None, calib_seqs: int = 128, calib_len: int = 512,
                    act_order: bool = False, embed_scheme: str | None = None, scale_search: bool = True,
                    bias_correction: bool = False, report: str | Path | None = None,
-                   qat_steps: int = 300, qat_lr: float = 5e-5, qat_len: int = 256,
+                   qat_steps: int = 120, qat_lr: float = 1e-4, qat_len: int = 256,
                    progress=None) -> QuantizeSummary:
     """Convert the checkpoint ``src`` (HF folder, GGUF, or a saved model) into a
     saved llamajet model in folder ``out`` (see the module docstring).
