@@ -152,7 +152,8 @@ def cmd_quantize(a) -> int:
     from llamajet.quant.quantize import quantize_model
 
     def progress(done: int, total: int) -> None:
-        print(f"\r{a.method}: layer {done}/{total}", end="" if done < total else "\n", file=sys.stderr, flush=True)
+        unit = "step" if a.method == "qat" else "layer"
+        print(f"\r{a.method}: {unit} {done}/{total}", end="" if done < total else "\n", file=sys.stderr, flush=True)
 
     print(quantize_model(a.input, a.output, a.scheme, force=a.force, method=a.method, calib=a.calib,
                          calib_seqs=a.calib_seqs, calib_len=a.calib_len, act_order=a.act_order, embed_scheme=a.embed_scheme,
