@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)
     path = a.model or Path(default_model_path())
-    lj = LLM(path, max_model_len=512, kv_cache_tokens=512, threads=a.threads)
+    lj = LLM(path, max_model_len=512, kv_cache_tokens=512, n_threads=a.threads)
     lc = llama_cpp.Llama(model_path=str(path), n_ctx=512, n_batch=512, logits_all=True, n_threads=a.threads,
                          verbose=False)
     windows = corpus_windows(lj.tokenizer, a.text.read_text(encoding="utf-8"), 512, a.windows * a.rounds)
