@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Iterator, Sequence as Seq
@@ -57,6 +58,22 @@ class LLM:
 
         LLM("model.gguf", kv_dtype="int8", max_model_len=8192)
         LLM("hf_folder/", RuntimeConfig(quantize="int4_asym_g32"), n_threads=4)
+
+    Threads and event loops (docs/limits.md): one LLM may be shared.
+    - ``generate``, ``chat`` and ``logits`` are serialized by a lock inside
+      the LLM: calls from two threads run one after the other, each exactly
+      as it would alone (same ids, greedy or seeded), and the KV pool is
+      whole in between. Serializing costs nothing in throughput: one step
+      already uses every core, and batching requests from several threads
+      would make a request's result depend on what ran beside it. To batch
+      concurrent requests, pass them to one ``generate`` or use the async API.
+    - ``stream`` is not serialized (holding a lock across a generator's
+      yields would block every other call while its consumer dawdles):
+      streams from several threads share the engine's steps, each step whole
+      under the Engine's own lock (engine/engine.py).
+    - ``astream`` / ``agenerate`` run on one event loop at a time (the
+      AsyncEngine's): from a second loop while the first is in use they raise
+      ConcurrencyError; one loop after another (``asyncio.run`` twice) works.
     """
 
     def __init__(self, path: str | Path | None = None, config: RuntimeConfig | None = None, **options) -> None:
@@ -75,6 +92,7 @@ class LLM:
         else:
             trim_heap()
         self.async_engine = AsyncEngine(self.engine)
+        self._lock = threading.Lock()  # serializes generate / chat / logits (see the class docstring)
 
     # -- info
 
@@ -114,7 +132,8 @@ class LLM:
         # Validate every request before running any, so a bad one loses nothing.
         encoded = [self._prompt_ids(p) for p in prompts]
         seqs = [self.engine.new_sequence(ids, p) for (_, ids), p in zip(encoded, params)]
-        self.engine.run_all(seqs)
+        with self._lock:
+            self.engine.run_all(seqs)
         return [_output(text, seq) for (text, _), seq in zip(encoded, seqs)]
 
     def stream(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> Iterator[StreamEvent]:
@@ -154,7 +173,9 @@ class LLM:
 
     def logits(self, token_ids: Seq[int]) -> np.ndarray:
         """Logits for every position: float32 [len(token_ids), vocab]."""
-        return self.engine.logits([int(t) for t in token_ids])
+        ids = [int(t) for t in token_ids]
+        with self._lock:
+            return self.engine.logits(ids)
 
 
 def _output(prompt: str | None, seq: Sequence) -> RequestOutput:

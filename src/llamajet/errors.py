@@ -25,3 +25,8 @@ class TokenizerError(LlamajetError, ValueError):
 
 class RequestError(LlamajetError, ValueError):
     """A generation request that cannot be served (empty prompt, too long, bad params)."""
+
+
+class ConcurrencyError(LlamajetError, RuntimeError):
+    """An object used across threads or event loops in a way its contract
+    refuses (an AsyncEngine from a second event loop: docs/limits.md)."""

@@ -131,6 +131,16 @@ _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?
 _NP = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32, 7: np.bool_,
        10: np.uint64, 11: np.int64, 12: np.float64}
 MAX_DIMS = 4  # GGML_MAX_DIMS
+# Bounds on a header, beyond "fits in the file" (docs/limits.md): far above any
+# real model (Llama-3-405B: 1,138 tensors, ~50 keys; the largest vocabularies,
+# 262k tokens; 280k merges), far below what would exhaust memory when the
+# values become Python objects (a GGUF array element costs ~40 bytes as one).
+MAX_TENSORS = 1 << 20
+MAX_KV = 1 << 16
+MAX_ARRAY_LEN = 1 << 22  # metadata array elements (tokens, merges, scores, token types)
+MAX_STRING_BYTES = 1 << 24  # one metadata string (a chat template is a few kB)
+MAX_NAME_BYTES = 63  # a tensor name: ggml's GGML_MAX_NAME (64) with its NUL; llama.cpp refuses longer
+MAX_ELEMENTS = 1 << 40  # elements of one tensor, and of one dimension
 
 
 @dataclass
@@ -181,8 +191,10 @@ class Reader:
         self._o += n
         return v
 
-    def _str(self) -> str:
+    def _str(self, limit: int = MAX_STRING_BYTES) -> str:
         n = self._scalar("<Q")
+        if n > limit:
+            raise ValueError(f"a string of {n} bytes at byte {self._o - 8} (limit {limit})")
         self._need(n)
         s = self._mm[self._o : self._o + n]
         self._o += n
@@ -198,6 +210,8 @@ class Reader:
             raise ValueError(f"unknown metadata value type {t}")
         et = self._scalar("<I")
         count = self._scalar("<Q")
+        if count > MAX_ARRAY_LEN:
+            raise ValueError(f"an array of {count} elements at byte {self._o - 8} (limit {MAX_ARRAY_LEN})")
         if et == _STRING:
             self._need(count * 8)  # each string at least its 8-byte length
             mm, o, out = self._mm, self._o, []
@@ -205,6 +219,8 @@ class Reader:
             end = len(mm)
             for _ in range(count):
                 n = unpack(mm, o)[0]
+                if n > MAX_STRING_BYTES:
+                    raise ValueError(f"a string of {n} bytes at byte {o} (limit {MAX_STRING_BYTES})")
                 if o + 8 + n > end:
                     raise ValueError("string array runs past the end of the file")
                 out.append(mm[o + 8 : o + 8 + n].decode("utf-8", errors="replace"))
@@ -230,19 +246,24 @@ class Reader:
         if version not in (2, 3):
             raise ValueError(f"GGUF version {version} (big-endian file, or unsupported)")
         n_tensors, n_kv = self._scalar("<Q"), self._scalar("<Q")
+        if n_tensors > MAX_TENSORS or n_kv > MAX_KV:
+            raise ValueError(f"header declares {n_tensors} tensors and {n_kv} metadata keys "
+                             f"(limits {MAX_TENSORS} and {MAX_KV})")
         # every tensor info and key-value takes at least 8 + 4 bytes
-        self._need(min(n_tensors, 1 << 40) * 12 + min(n_kv, 1 << 40) * 12)
+        self._need(n_tensors * 12 + n_kv * 12)
         for _ in range(n_kv):
-            key = self._str()
+            key = self._str(MAX_STRING_BYTES)
             value, types, data = self._value(self._scalar("<I"))
             self.fields[key] = Field(key, types, value, data)
         infos = []
         for _ in range(n_tensors):
-            name = self._str()
+            name = self._str(MAX_NAME_BYTES)
             nd = self._scalar("<I")
             if nd > MAX_DIMS:
                 raise ValueError(f"tensor {name!r} has {nd} dimensions (at most {MAX_DIMS})")
             dims = [self._scalar("<Q") for _ in range(nd)]
+            if any(d >= MAX_ELEMENTS for d in dims):
+                raise ValueError(f"tensor {name!r} has dimensions {dims} (each below {MAX_ELEMENTS})")
             qt = self._gguf.GGMLQuantizationType(self._scalar("<I"))
             offset = self._scalar("<Q")
             infos.append((name, dims, qt, offset))
@@ -256,15 +277,16 @@ class Reader:
             n = 1
             for d in dims:
                 n *= d
-            if n >= 1 << 40:
-                raise ValueError(f"tensor {name!r} declares {n} elements")
+            if n >= MAX_ELEMENTS:
+                raise ValueError(f"tensor {name!r} declares {n} elements (limit {MAX_ELEMENTS})")
             qk, bb = self._gguf.GGML_QUANT_SIZES[qt]
             if not dims or dims[0] % qk:
                 raise ValueError(f"tensor {name!r}: rows of {dims[:1]} are not whole {qt.name} blocks")
             nbytes = n // qk * bb
             at = start + offset
             if at + nbytes > size:
-                raise ValueError(f"tensor {name!r} runs past the end of the file; truncated?")
+                raise ValueError(f"tensor {name!r} (offset {offset}, {nbytes} bytes) runs past the end "
+                                 f"of the file ({size} bytes); truncated?")
             data = self._view(at, nbytes, dims, qt, qk, bb)
             self.tensors.append(Tensor(name, np.array(dims, np.uint64), qt, n, nbytes, at, data))
 

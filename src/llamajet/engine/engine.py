@@ -13,10 +13,19 @@ and a step is schedule -> run -> postprocess:
 
 Requests join between steps (`add_request`); `stream` / `generate` drive the
 loop synchronously, `AsyncEngine` (async_engine.py) from asyncio.
+
+Threads: one lock (`Engine.lock`) guards the scheduler, the block pool and
+the runner's arena. Every step, every scoring pass (`logits`) and every
+add/abort of the synchronous drivers takes it, so drivers on several threads
+(two `stream` consumers, a sync call beside the AsyncEngine's worker thread)
+interleave whole steps and never corrupt the KV pool; each reads its own
+sequences' events. Nothing else may change the engine from another thread
+than the one holding the lock: other threads hand requests in with `post`.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -68,6 +77,7 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, max_num_seqs=runner.max_seqs, max_tokens=runner.max_tokens)
         self._all_rows = np.arange(runner.max_out, dtype=np.int32)
         self._inbox: deque[tuple[str, Sequence]] = deque()  # from other threads, see post()
+        self.lock = threading.Lock()  # see the module docstring
         self.last_stats = RequestStats()
         self.stats = EngineStats()
         self.last_schedule = None  # the SchedulerOutput of the latest step (for bench and tests)
@@ -163,7 +173,11 @@ class Engine:
 
     def step(self) -> list[Sequence]:
         """schedule -> run -> postprocess. Returns the sequences that got a
-        new event (in seq.events)."""
+        new event (in seq.events). Holds `lock` throughout."""
+        with self.lock:
+            return self._step()
+
+    def _step(self) -> list[Sequence]:
         self._drain_inbox()
         out = self.last_schedule = self.scheduler.schedule()
         if not out.scheduled:
@@ -257,7 +271,8 @@ class Engine:
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamEvent]:
         """Adds the request and steps the engine (every queued request moves
         along) until it finishes, yielding its events as they come."""
-        seq = self.add_request(prompt_ids, params)
+        with self.lock:
+            seq = self.add_request(prompt_ids, params)
         try:
             while True:
                 while seq.events:
@@ -269,18 +284,21 @@ class Engine:
                     return
                 self.step()
         finally:
-            self.abort(seq)  # a consumer that stops early frees the blocks
+            with self.lock:
+                self.abort(seq)  # a consumer that stops early frees the blocks
 
     def run_all(self, seqs: list[Sequence]) -> list[Sequence]:
         """Queues `seqs` and steps until every one has finished."""
-        for s in seqs:
-            self.add_request(s)
+        with self.lock:
+            for s in seqs:
+                self.add_request(s)
         try:
             while any(not s.finished for s in seqs):
                 self.step()
         finally:
-            for s in seqs:
-                self.abort(s)
+            with self.lock:
+                for s in seqs:
+                    self.abort(s)
         return seqs
 
     # ------------------------------------------------------------ scoring
@@ -288,7 +306,7 @@ class Engine:
     def logits(self, ids: list[int]) -> np.ndarray:
         """Full-sequence logits [len(ids), vocab] (for scoring). Runs alone,
         between steps, in blocks of its own (no prefix cache: every row is
-        computed)."""
+        computed). Holds `lock` throughout."""
         if len(ids) == 0:
             raise RequestError("empty token list")
         if len(ids) > self.max_model_len:
@@ -296,6 +314,10 @@ class Engine:
         vocab = self.runner.config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise RequestError(f"token ids must lie in 0..{vocab - 1}")
+        with self.lock:
+            return self._logits(ids, vocab)
+
+    def _logits(self, ids: list[int], vocab: int) -> np.ndarray:
         seq = Sequence(list(ids), SamplingParams(max_tokens=1))
         if self.blocks.blocks_for(len(ids)) > self.blocks.num_blocks:
             raise RequestError(f"{len(ids)} tokens exceed the KV pool of "

@@ -28,6 +28,9 @@ ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 
 # llamajet float format names <-> safetensors dtypes (bf16 held as raw uint16 bits)
 FLOAT_DTYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16"}
 FROM_FLOAT = {v: k for k, v in FLOAT_DTYPES.items()}
+# A header is a few hundred bytes per tensor; the safetensors package refuses
+# headers above 100 MB too (its HeaderTooLarge), so no file it wrote is refused.
+MAX_HEADER_BYTES = 100_000_000
 
 
 @dataclass(frozen=True)
@@ -55,12 +58,17 @@ def read_header(path: Path, buf: mmap.mmap) -> dict[str, Entry]:
     if size < 8:
         raise ModelFormatError(f"{path}: {size} bytes is too short for a safetensors header")
     header_len = int.from_bytes(buf[:8], "little")
+    if header_len > MAX_HEADER_BYTES:
+        raise ModelFormatError(f"{path}: header length {header_len} is above the limit of "
+                               f"{MAX_HEADER_BYTES} bytes; not a safetensors file, or corrupt")
     if header_len > size - 8:
         raise ModelFormatError(f"{path}: header length {header_len} exceeds the file ({size} bytes); truncated?")
     try:
         header = json.loads(bytes(buf[8:8 + header_len]).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ModelFormatError(f"{path}: safetensors header is not valid JSON ({e})") from e
+    except RecursionError:  # [[[[...]]]]: Python's parser gives up at its recursion limit
+        raise ModelFormatError(f"{path}: safetensors header nests JSON too deeply") from None
     if not isinstance(header, dict):
         raise ModelFormatError(f"{path}: safetensors header is not a JSON object")
     data_start, data_len = 8 + header_len, size - 8 - header_len

@@ -22,28 +22,53 @@ from llamajet.loaders.base import LoadedModel, check_weights
 from llamajet.model import registry
 
 INDEX_FILE = "model.safetensors.index.json"
+# An index is one line per tensor (~100 bytes); a 405B model's is under 200 kB.
+MAX_INDEX_BYTES = 64 * 1024 * 1024
+# PyTorch's pickled checkpoints: never read (unpickling runs the file's code).
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+
+def _shard(folder: Path, index_path: Path, name: str) -> Path:
+    """The shard file `name` of the index, which must stay inside `folder`: a
+    downloaded index (or a cloned repository's symlink) could otherwise name
+    ``../x``, ``/etc/...`` or a link that leads out, and make the loader map,
+    and quote in its errors, any file it can read. One way out is allowed:
+    the Hugging Face cache's own layout, where ``snapshots/<rev>/x`` links to
+    ``blobs/<hash>`` beside ``snapshots``."""
+    roots = [folder.resolve()]
+    if folder.resolve().parent.name == "snapshots":
+        roots.append(folder.resolve().parent.parent / "blobs")
+    path = (folder / name).resolve()
+    if Path(name).is_absolute() or ".." in Path(name).parts or not any(path.is_relative_to(r) for r in roots):
+        raise ModelFormatError(f"{index_path} lists shard {name!r}, which lies outside the model folder {folder}")
+    if not path.is_file():
+        raise ModelFormatError(f"{index_path} lists {name}, which does not exist")
+    return folder / name
 
 
 def _weight_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
     """The safetensors files to read, and the index's name -> file map if any."""
     index_path = folder / INDEX_FILE
     if index_path.is_file():
+        if index_path.stat().st_size > MAX_INDEX_BYTES:
+            raise ModelFormatError(f"{index_path}: {index_path.stat().st_size} bytes, above the limit of "
+                                   f"{MAX_INDEX_BYTES} for a safetensors index")
         try:
             weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
             assert isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AssertionError) as e:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AssertionError,
+                RecursionError) as e:  # RecursionError: JSON nested past Python's parser's depth
             raise ModelFormatError(f"{index_path}: not a valid safetensors index ({e!r})") from e
-        files = [folder / f for f in sorted(set(weight_map.values()))]
-        for f in files:
-            if not f.is_file():
-                raise ModelFormatError(f"{index_path} lists {f.name}, which does not exist")
+        files = [_shard(folder, index_path, f) for f in sorted(set(weight_map.values()))]
         return files, weight_map
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        others = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+        others = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if others:
-            raise UnsupportedModelError(f"{folder}: weights in {others[0]} (PyTorch pickle); only safetensors "
-                                        "is supported: re-save with save_pretrained(safe_serialization=True)")
+            raise UnsupportedModelError(
+                f"{folder}: weights in {others[0]} (a PyTorch pickle, which llamajet never opens: unpickling "
+                "runs code from the file); use a safetensors or GGUF copy of the model, or re-save it with "
+                "save_pretrained(safe_serialization=True)")
         raise ModelFormatError(f"{folder}: no *.safetensors weight files")
     return files, None
 
@@ -68,6 +93,8 @@ def load_hf(folder: str | Path) -> LoadedModel:
         if str(folder) in str(e):
             raise
         raise type(e)(f"{folder / 'config.json'}: {e}") from e
+    except RecursionError:  # config.py's JSON read: [[[[...]]]] past Python's parser's depth
+        raise ModelFormatError(f"{folder / 'config.json'}: JSON nested too deeply") from None
     files, weight_map = _weight_files(folder)
 
     maps: list[mmap.mmap] = []

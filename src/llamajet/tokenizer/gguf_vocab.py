@@ -45,6 +45,16 @@ SUPPORTED_GGUF_PRE = tuple(sorted(_PRE_LLAMA3 | _PRE_SMOLLM | _PRE_GPT2 | _PRE_Q
 
 _SPM_SPACE = "\u2581"  # SentencePiece's visible space, "▁"
 
+# Bounds on an embedded vocabulary (docs/limits.md). The reader already caps
+# every metadata array (gguf_meta.MAX_ARRAY_LEN); the largest real
+# vocabularies have 262k tokens.
+MAX_VOCAB = 1 << 22
+# Deriving SentencePiece merges tries every split of every piece, slicing
+# each: sum(len(piece)**2) characters. Real vocabularies (pieces of at most
+# 16 characters but for a few added tokens) cost ~1e7; a few long pieces
+# would cost ~1e14, a hang.
+MAX_MERGE_WORK = 1 << 28
+
 
 def tokenizer_from_gguf(reader: "gguf.GGUFReader") -> Tokenizer:
     """Build the tokenizer embedded in an open GGUF (``tokenizer.ggml.*`` keys)."""
@@ -54,6 +64,8 @@ def tokenizer_from_gguf(reader: "gguf.GGUFReader") -> Tokenizer:
         raise TokenizerError(f"{meta.name}: GGUF has no embedded tokenizer (no tokenizer.ggml.model key)")
     tokens = meta.require("tokenizer.ggml.tokens")
     n = len(tokens)
+    if n > MAX_VOCAB:  # before any of the tokenizer is built
+        raise ModelFormatError(f"{meta.name}: tokenizer.ggml.tokens holds {n} tokens (limit {MAX_VOCAB})")
     types = meta.get("tokenizer.ggml.token_type")
     if types is None:
         types = [_TT_NORMAL] * n
@@ -276,7 +288,14 @@ def _build_sentencepiece_bpe(meta: GGUFMeta, tokens: list[str], types: list[int]
         scores = [0.0] * n  # no scores: merges then follow token order only
     if len(scores) != n:
         raise ModelFormatError(f"{meta.name}: tokenizer.ggml.scores has {len(scores)} entries for {n} tokens")
-    merges = _parse_merges(meta, meta.get("tokenizer.ggml.merges")) or _sentencepiece_merges(tokens, scores)
+    merges = _parse_merges(meta, meta.get("tokenizer.ggml.merges"))
+    if not merges:
+        work = sum(len(t) ** 2 for t in tokens)
+        if work > MAX_MERGE_WORK:
+            raise ModelFormatError(
+                f"{meta.name}: deriving merges for this SentencePiece vocabulary would slice {work} "
+                f"characters (limit {MAX_MERGE_WORK}; longest token {max(map(len, tokens))} characters)")
+        merges = _sentencepiece_merges(tokens, scores)
     vocab = _vocab_dict(tokens, tokens, meta.name)
     byte_fallback = any(tt == _TT_BYTE for tt in types) or "<0x41>" in vocab
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")

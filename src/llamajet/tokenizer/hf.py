@@ -11,10 +11,27 @@ from typing import Any
 import tokenizers
 
 from llamajet.errors import ModelFormatError, TokenizerError
+from llamajet.tokenizer.chat import MAX_TEMPLATE_CHARS
 from llamajet.tokenizer.core import Tokenizer
+
+# File sizes read at most, checked before anything is parsed (docs/limits.md).
+# Llama-3's tokenizer.json is 9 MB, Gemma-3's (262k tokens) 33 MB; the
+# configs beside it are kilobytes (a few MB with a long added-token table).
+MAX_TOKENIZER_JSON_BYTES = 128 * 1024 * 1024
+MAX_CONFIG_JSON_BYTES = 64 * 1024 * 1024
+
+
+def _check_file_size(path: Path, limit: int, what: str) -> None:
+    size = path.stat().st_size
+    if size > limit:
+        raise ModelFormatError(f"{path}: {size} bytes, above the limit of {limit} for {what}")
 
 
 def from_hf_files(tokenizer_json: Path) -> Tokenizer:
+    try:
+        _check_file_size(tokenizer_json, MAX_TOKENIZER_JSON_BYTES, "a tokenizer.json")
+    except OSError as e:
+        raise TokenizerError(f"{tokenizer_json}: cannot read ({e})") from e
     try:
         backend = tokenizers.Tokenizer.from_file(str(tokenizer_json))
     except Exception as e:
@@ -63,6 +80,8 @@ def _explain_bad_tokenizer_json(path: Path, err: Exception) -> Exception:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         return ModelFormatError(f"{path}: not a tokenizer.json (not valid JSON: {e})")
+    except RecursionError:  # [[[[...]]]] past Python's parser's depth
+        return ModelFormatError(f"{path}: not a tokenizer.json (JSON nested too deeply)")
     except OSError as e:
         return TokenizerError(f"{path}: cannot read ({e})")
     if not isinstance(data, dict) or "model" not in data:
@@ -74,6 +93,7 @@ def _explain_bad_tokenizer_json(path: Path, err: Exception) -> Exception:
 def _hf_chat_template(folder: Path, tcfg: dict) -> str | None:
     jinja = folder / "chat_template.jinja"  # transformers >= 4.50 saves it on its own
     if jinja.is_file():
+        _check_file_size(jinja, MAX_TEMPLATE_CHARS, "a chat template")
         return jinja.read_text(encoding="utf-8")
     tmpl = tcfg.get("chat_template")
     if isinstance(tmpl, list):  # named templates: [{"name": "default", "template": ...}, ...]
@@ -85,10 +105,13 @@ def _hf_chat_template(folder: Path, tcfg: dict) -> str | None:
 def _read_json_if_exists(path: Path) -> dict:
     if not path.is_file():
         return {}
+    _check_file_size(path, MAX_CONFIG_JSON_BYTES, "a configuration file")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ModelFormatError(f"{path}: not valid JSON ({e})") from e
+    except RecursionError:  # [[[[...]]]] past Python's parser's depth
+        raise ModelFormatError(f"{path}: JSON nested too deeply") from None
     if not isinstance(data, dict):
         raise ModelFormatError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
