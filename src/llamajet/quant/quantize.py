@@ -308,10 +308,10 @@ def quantize_model(src: str | Path, out: str | Path, scheme: str, force: bool = 
             pw = cal.packed[w.name]
             return SavedTensor(w.name, w.kind, sch, tuple(w.shape), w.rope_interleaved, lambda: pw.data), \
                 f"{label} {w.dtype}->{sch.name}"
-        if w.name in cal.floats:  # an RMSNorm weight that absorbed a smoothing, a corrected bias
+        if w.name in cal.floats:  # an RMSNorm weight that absorbed a smoothing (or QAT trained), a corrected bias
             v = cal.floats[w.name]
             return SavedTensor(w.name, w.kind, FLOATS["f32"], tuple(w.shape), w.rope_interleaved, lambda: v), \
-                f"{w.kind.value}s {'corrected' if w.kind is Kind.BIAS else 'smoothed'} (f32)"
+                f"{w.kind.value}s {'corrected' if w.kind is Kind.BIAS else 'trained' if method == 'qat' else 'smoothed'} (f32)"
         return _plan(w, emb_sch if (w.kind is Kind.EMBEDDING or w.name == "output") else sch)
 
     plans = [plan(w) for w in model.weights.values()]
