@@ -390,3 +390,32 @@ def test_pickled_checkpoint_is_refused_unopened(tmp_path, stories_hf, name, monk
     with refused(UnsupportedModelError, name, "safetensors or GGUF"):
         load_model(folder)
     assert not marker.exists() and not opened
+
+
+def test_oversized_config_json_is_not_read(tmp_path, stories_hf, monkeypatch):
+    """config.json is read whole: one above config.MAX_CONFIG_BYTES is refused by its size (the limit is
+    lowered here so the test writes a small file)."""
+    from llamajet import config
+
+    folder = stories_folder(tmp_path, stories_hf)
+    monkeypatch.setattr(config, "MAX_CONFIG_BYTES", 1024)
+    (folder / "config.json").write_text('{"pad": "' + "x" * 4096 + '"}')
+    with refused(ModelFormatError, "config.json", "above the limit"):
+        load_hf(folder)
+
+
+def test_saved_meta_nesting_bomb_and_size(tmp_path, stories_hf, monkeypatch):
+    from llamajet.formats import saved
+    from llamajet.loaders import load_saved
+    from llamajet.quant.quantize import quantize_model
+
+    quantize_model(stories_hf, tmp_path / "q", "int8_g32")
+    meta = tmp_path / "q" / "llamajet.json"
+    good = meta.read_text()
+    meta.write_text("[" * 200_000 + "]" * 200_000)
+    with refused(ModelFormatError, "llamajet.json", "nested too deeply"):
+        load_saved(tmp_path / "q")
+    meta.write_text(good)
+    monkeypatch.setattr(saved, "MAX_META_BYTES", 1024)
+    with refused(ModelFormatError, "llamajet.json", "above the limit"):
+        load_saved(tmp_path / "q")

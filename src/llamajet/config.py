@@ -220,13 +220,21 @@ _HF_CAUSAL_LM = "ForCausalLM"  # transformers' class suffix of a generating mode
 _HF_MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
+MAX_CONFIG_BYTES = 64 * 1024 * 1024  # a real config.json is a few KB; read nothing bigger (docs/limits.md)
+
+
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         raise ModelFormatError(f"{path}: no such file")
+    size = path.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise ModelFormatError(f"{path}: {size} bytes, above the limit of {MAX_CONFIG_BYTES} for a config file")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ModelFormatError(f"{path}: not valid JSON ({e})") from e
+    except RecursionError:  # [[[[...]]]] past Python's parser's depth
+        raise ModelFormatError(f"{path}: JSON nested too deeply") from None
     if not isinstance(data, dict):
         raise ModelFormatError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data

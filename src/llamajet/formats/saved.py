@@ -90,15 +90,24 @@ def config_from_json(d, source: str) -> ModelConfig:
 # --- reading ------------------------------------------------------------------------------
 
 
+# llamajet.json: one line per tensor (~200 bytes) and a smoothing's scales; 64 MiB is far above any model's
+MAX_META_BYTES = 64 * 1024 * 1024
+
+
 def read_meta(folder: Path) -> dict:
     """llamajet.json, with its magic and format version checked."""
     path = folder / META_FILE
     try:
+        size = path.stat().st_size
+        if size > MAX_META_BYTES:
+            raise ModelFormatError(f"{path}: {size} bytes, above the limit of {MAX_META_BYTES} for {META_FILE}")
         meta = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ModelFormatError(f"{path}: no such file") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ModelFormatError(f"{path}: not valid JSON ({e})") from e
+    except RecursionError:  # [[[[...]]]] past Python's parser's depth
+        raise ModelFormatError(f"{path}: JSON nested too deeply") from None
     if not isinstance(meta, dict) or meta.get("magic") != MAGIC:
         got = meta.get("magic") if isinstance(meta, dict) else type(meta).__name__
         raise ModelFormatError(f"{path}: not a llamajet saved model (magic {got!r}, expected {MAGIC!r})")
