@@ -9,6 +9,7 @@ import pytest
 
 from llamajet.formats.packed import dequantize, quantize_rtn
 from llamajet.formats.schemes import get_scheme
+from llamajet.quant.calibrate import Method
 from llamajet.quant.gptq import gptq_quantize, pack_gptq
 
 
@@ -108,13 +109,8 @@ def test_gptq_needs_calibration_text(stories_hf, tmp_path):
     assert not (tmp_path / "x").exists()  # refused before anything was written
 
 
-class Identity:
+class Identity(Method):
     """A method that quantizes nothing: the calibration forward stays the float model's."""
-
-    smooths = False
-
-    def smooth(self, names, ws, inputs):
-        return None
 
     def quantize(self, names, ws, inputs):
         return ws, {}

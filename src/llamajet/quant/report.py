@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from llamajet.errors import LlamajetError
+from llamajet.quant.calibrate import Method, _sqnr, output_error
 
 KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
@@ -93,20 +94,14 @@ def write_quantize_report(folder: Path, summary, records, method: str, scheme, w
     (folder / "report.md").write_text("\n".join(md) + "\n")
 
 
-class _Measure:
+class _Measure(Method):
     """A calibrate.Method that quantizes nothing (the forward stays float)
     and scores every configuration's matrices on each group's inputs."""
-
-    smooths = False
 
     def __init__(self, configs: dict[str, dict]):
         self.configs, self.rows = configs, {c: [] for c in configs}
 
-    def smooth(self, names, ws, inputs):
-        return None
-
     def quantize(self, names, ws, inputs):
-        from llamajet.quant.calibrate import _sqnr, output_error
 
         for name, w in zip(names, ws):
             w64 = np.asarray(w, np.float64)
