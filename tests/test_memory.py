@@ -158,6 +158,7 @@ def test_rss_flat_while_generating(probe):
     assert grown <= kv + 4 * MiB, f"RSS grew {grown / MiB:.1f} MiB over 64 tokens"
 
 
+@pytest.mark.rss
 def test_rss_after_load_near_the_file_size(probe):
     # Weights cost at most 1.6x the file: the packed copy (1.0x; same bits per
     # weight as Q4_1) plus slack for file pages the kernels still read (norms,

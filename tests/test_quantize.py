@@ -137,6 +137,7 @@ print(r1['RssAnon'] - r0['RssAnon'] - llm.engine.runner.kv_pool_bytes, r1['RssFi
 """
 
 
+@pytest.mark.rss
 def test_rss_of_a_saved_model_is_the_mapped_file_not_a_copy(smol_saved):
     out, summary = smol_saved
     r = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(out)], text=True, capture_output=True, timeout=300)

@@ -119,6 +119,17 @@ def test_engine_soak(engines):
     COUNTS.clear()
     try:
         machine.TestCase().runTest()
+        # A fixed coda through the same rules and checks: four 30-token prompts generating 24 tokens each
+        # need 16 blocks of the pool's 6, so preemption happens here whatever hypothesis drew above (its
+        # draws gave 1 preemption in the suite and 0 once the earlier tests of a process changed its path).
+        coda = machine()
+        for i in range(4):
+            coda.add(prefix=i % 2, extra=[10 + i] * 12, max_tokens=24, greedy=i % 2 == 0, stop=False, seed=i)
+        while coda.eng.has_unfinished():
+            coda.step(1)
+            coda.pool_is_consistent()
+            coda.greedy_ids_are_the_alone_ids()
+        coda.teardown()
     finally:
         machine.engines.clear()
     assert COUNTS["requests"] > 0 and COUNTS["checks"] > 0

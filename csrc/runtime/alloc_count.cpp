@@ -35,7 +35,15 @@ int64_t step_allocations() { return g_step_allocs.load(std::memory_order_relaxed
 
 }  // namespace lj
 
+#if defined(__clang__)
+// clang refuses a visibility that differs from <new>'s declarations (gcc
+// warns and keeps it for some). Without it the operators are exported from
+// the extension, which python loads RTLD_LOCAL: they still bind this
+// module's own calls first and interpose on no other library.
+#define LJ_HIDDEN
+#else
 #define LJ_HIDDEN __attribute__((visibility("hidden")))
+#endif
 LJ_HIDDEN void* operator new(std::size_t n) { return lj::counted(n, 0); }
 LJ_HIDDEN void* operator new[](std::size_t n) { return lj::counted(n, 0); }
 LJ_HIDDEN void* operator new(std::size_t n, std::align_val_t a) { return lj::counted(n, (std::size_t)a); }

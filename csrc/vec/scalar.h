@@ -13,8 +13,11 @@ constexpr int W = 1;
 
 inline VecF zero() { return {0.f}; }
 inline VecF set1(float a) { return {a}; }
-inline VecF load(const float* p) { return {*p}; }
-inline void store(float* p, VecF a) { *p = a.v; }
+// Unaligned, like the SIMD tiers' loadu/storeu: an int8 KV row keeps its fp32
+// scale after hd codes, so with an odd head_dim it is not 4-byte aligned
+// (UBSan's report, make sanitize). memcpy compiles to the same one move.
+inline VecF load(const float* p) { float v; std::memcpy(&v, p, 4); return {v}; }
+inline void store(float* p, VecF a) { std::memcpy(p, &a.v, 4); }
 inline VecF add(VecF a, VecF b) { return {a.v + b.v}; }
 inline VecF mul(VecF a, VecF b) { return {a.v * b.v}; }
 // a*b + c (not fused: the reference tier rounds twice, like naive C)
