@@ -16,7 +16,7 @@ LAYOUT := $(VENV)/.pylayout
 $(shell mkdir -p $(VENV) && find src -name '*.py' | sort > $(LAYOUT).new && \
         (cmp -s $(LAYOUT).new $(LAYOUT) || mv $(LAYOUT).new $(LAYOUT)); rm -f $(LAYOUT).new)
 
-.PHONY: setup run chat test bench clean
+.PHONY: setup run chat test clang sanitize fuzz fuzz-long bench clean
 
 setup: $(VENV)/.installed
 
@@ -47,8 +47,34 @@ run: setup
 chat: setup
 	$(BIN)/llamajet chat
 
+# The suite, then the C++ core's tests under ASan + UBSan on every ISA tier
+# (tools/sanitize.sh), then every fuzz target for FUZZ_RUNS inputs on that
+# same ASan build (tools/fuzz.py): clang's, coverage-guided into the C++,
+# when clang++ is there or can be installed, else gcc's (unguided).
+FUZZ_RUNS ?= 2000
 test: setup $(CONVERTER)
 	$(BIN)/python -m pytest -q
+	$(MAKE) --no-print-directory sanitize fuzz
+
+# Debian's clang for the coverage-guided build: installed when missing if this
+# is root on a machine with apt-get (CI); otherwise both runs use gcc and say so.
+clang:
+	@command -v clang++ > /dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get > /dev/null && \
+	  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends clang; } \
+	  > $(VENV)/apt-clang.log 2>&1; } || echo "make: no clang++ and cannot install it: sanitize and fuzz use gcc"
+
+sanitize: setup clang
+	PY=$(abspath $(BIN))/python bash tools/sanitize.sh
+
+fuzz: setup clang
+	$(BIN)/python tools/fuzz.py --runs $(FUZZ_RUNS)
+
+# The long campaign (by hand, ~1 h on one core; needs clang++): >= 50,000
+# inputs per target and 10^6 in all, more for the fast parsers. Counts in
+# build/fuzz/summary-long.json.
+FUZZ_LONG := gguf=60000,gguf_vocab=100000,safetensors=230000,safetensors_index=150000,saved=150000,tokenizer_json=150000,chat_template=60000,server=100000
+fuzz-long: setup
+	$(BIN)/python tools/fuzz.py --compiler clang++ --targets $(FUZZ_LONG) --summary build/fuzz/summary-long.json
 
 clean:
 	rm -rf $(VENV) build

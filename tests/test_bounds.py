@@ -208,15 +208,29 @@ def test_template_bounds(name, monkeypatch):
     # The step bound's value is not what is tested: a smaller one keeps the
     # loops short (tracemalloc slows each step).
     monkeypatch.setattr(chat, "MAX_STEPS", 20_000)
+    monkeypatch.setattr(chat, "MAX_RENDER_SECONDS", 1e9)  # the bound each case names, not the clock, on a busy machine
     source, fragment = BAD_TEMPLATES[name]
     with refused(TokenizerError, "chat template", fragment):
         render(source, MSGS)
 
 
-def test_step_bound_value():
-    """The real bound: a million steps, beyond what real templates take."""
+def test_step_bound_value(monkeypatch):
+    """The real bound: 200,000 steps, beyond what real templates take (~2 per message)."""
+    monkeypatch.setattr(chat, "MAX_RENDER_SECONDS", 1e9)
     with pytest.raises(TokenizerError, match=f"more than {MAX_STEPS} loop iterations"):
         render("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", MSGS)
+
+
+def test_render_time_bound(monkeypatch):
+    """Past MAX_RENDER_SECONDS a render stops, in a loop (checked every TIME_CHECK_EVERY steps) and
+    between output chunks; a deadline already passed (0 s) makes both deterministic."""
+    monkeypatch.setattr(chat, "MAX_RENDER_SECONDS", 0.0)
+    with pytest.raises(TokenizerError, match="rendered for more than 0.0 s"):
+        render("{% for i in range(1000) %}{% endfor %}", MSGS)
+    with pytest.raises(TokenizerError, match="rendered for more than 0.0 s"):
+        render("plain text, one chunk", MSGS)
+    monkeypatch.setattr(chat, "MAX_RENDER_SECONDS", 1e9)
+    assert render("{% for i in range(1000) %}{% endfor %}ok", MSGS) == "ok"
 
 
 def test_template_source_size():

@@ -1,23 +1,29 @@
 #!/usr/bin/env bash
 # make sanitize: the C++ core's tests under AddressSanitizer + UndefinedBehaviorSanitizer.
 #
-# Builds the extension with -DLLAMAJET_SANITIZE=address,undefined (gcc by
-# default; CXX=clang++ for clang) into build/sanitize-<compiler>, loads it in
-# place of the installed one (LLAMAJET_CORE_SO, tests/sancore.py) and runs the
-# kernel, executor, attention, KV-pool, fusion, loader and engine tests:
-# once at the best tier with every test, then once per lower ISA tier this CPU
-# has (LLAMAJET_ISA) with the tests that do not already loop over the tiers.
-# Any sanitizer report fails the run (UB is fatal, -fno-sanitize-recover) and
-# is printed. Leak checking is off: CPython frees little at exit by design.
+# Builds the extension with -DLLAMAJET_SANITIZE into build/sanitize-<compiler>:
+# clang++ when present (address,undefined plus fuzzer-no-link, so the same
+# build serves make fuzz with coverage into the C++), else g++
+# (address,undefined). CXX=... picks one. The build is loaded in place of the
+# installed one (LLAMAJET_CORE_SO, tests/sancore.py) and runs the kernel,
+# executor, attention, KV-pool, fusion, loader and engine tests: once at the
+# best tier with every test, then once per lower ISA tier this CPU has
+# (LLAMAJET_ISA) with the engine-level tests. Any sanitizer report fails the
+# run (UB is fatal, -fno-sanitize-recover) and is printed. Leak checking is
+# off: CPython frees little at exit by design.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-$PWD/.venv/bin/python}
-CXX=${CXX:-g++}
+if [[ -z "${CXX:-}" ]]; then
+  if command -v clang++ > /dev/null; then CXX=clang++; else CXX=g++; fi
+fi
+# tools/fuzz.py builds the same directory with the same flags (keep the two in step)
+if [[ "$(basename "$CXX")" == clang* ]]; then SAN=fuzzer-no-link,address,undefined; else SAN=address,undefined; fi
 BUILD=build/sanitize-$(basename "$CXX")
 JOBS=${JOBS:-$(nproc)}
 
 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_COMPILER="$CXX" \
-      -DPython_EXECUTABLE="$PY" -DLLAMAJET_SANITIZE=address,undefined > "$BUILD.configure.log"
+      -DPython_EXECUTABLE="$PY" -DLLAMAJET_SANITIZE="$SAN" > "$BUILD.configure.log"
 cmake --build "$BUILD" -j"$JOBS" > "$BUILD.build.log" 2>&1 || { tail -50 "$BUILD.build.log"; exit 1; }
 SO=$(ls "$PWD/$BUILD"/_core*.so)
 
@@ -90,4 +96,4 @@ if grep -qE 'ERROR: AddressSanitizer|runtime error:|SUMMARY: (Address|UndefinedB
   echo "sanitize: sanitizer reports in $LOG:"; grep -E -A20 'ERROR: AddressSanitizer|runtime error:' "$LOG" | head -200; exit 1
 fi
 [[ $status == 0 ]] || { echo "sanitize: tests failed"; exit 1; }
-echo "sanitize: clean ($CXX, address+undefined, tiers: $TIERS)"
+echo "sanitize: clean ($CXX, $SAN, tiers: $TIERS)"

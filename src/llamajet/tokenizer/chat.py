@@ -18,7 +18,11 @@ does, so this module adds that (docs/limits.md lists the numbers):
   MAX_STEPS per render, so nested loops or exponentially recursive macros
   stop early even when they print nothing. jinja2's own ``range`` cap
   (sandbox.MAX_RANGE = 100,000 items per range) stays, but bounds only one
-  loop, not loops nested in one another.
+  loop, not loops nested in one another;
+- a render stops after MAX_RENDER_SECONDS of wall time, checked every
+  TIME_CHECK_EVERY steps and on every output chunk: the step count bounds
+  the number of operations, this bounds their total cost (a step may be
+  one 4 MB string operation).
 
 A template over a limit fails with TokenizerError naming the limit, and so
 does a template source above MAX_TEMPLATE_CHARS. Real
@@ -30,6 +34,7 @@ from __future__ import annotations
 import json
 import re
 import string
+import time
 from contextvars import ContextVar
 from datetime import datetime
 from functools import lru_cache, wraps
@@ -38,7 +43,16 @@ from typing import Any
 from llamajet.errors import TokenizerError
 
 MAX_OUTPUT_CHARS = 4 * 1024 * 1024  # a rendered prompt, and any one string or list a template builds
-MAX_STEPS = 1_000_000  # loop iterations + calls in one render
+# loop iterations + calls in one render. Real templates take about 2 per
+# message (measured: SmolLM2's 203 and Qwen2.5's 429 with 20 tools, for 202
+# messages), so this is a ~100,000-message conversation. It was 10^6 until
+# fuzzing timed a nested loop spending it at 0.28 s plain and over 2 s under
+# coverage instrumentation (the fuzz campaign's hang limit).
+MAX_STEPS = 200_000
+# Wall time of one render. Real templates render in 1-5 ms (202 messages with
+# 20 tools included); the fuzz campaign calls anything over 2 s a hang.
+MAX_RENDER_SECONDS = 1.0
+TIME_CHECK_EVERY = 256
 MAX_TEMPLATE_CHARS = 1024 * 1024  # a template's source (real ones: 1-30 kB); compiling is linear in it
 
 # name of the global the rewritten loops and concatenations call (see _bounded_ast)
@@ -54,11 +68,18 @@ class _Budget:
 
     def __init__(self) -> None:
         self.steps = MAX_STEPS
+        self.deadline = time.monotonic() + MAX_RENDER_SECONDS
 
     def step(self) -> None:
         self.steps -= 1
         if self.steps < 0:
             raise _TemplateLimit(f"chat template did more than {MAX_STEPS} loop iterations and calls")
+        if self.steps % TIME_CHECK_EVERY == 0:
+            self.check_time()
+
+    def check_time(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise _TemplateLimit(f"chat template rendered for more than {MAX_RENDER_SECONDS} s")
 
 
 # The budget of the render in progress on this thread (one compiled template
@@ -167,10 +188,12 @@ def render(source: str, messages: list[dict], **variables: Any) -> str:
     bounds above."""
     template = compile_template(source)
     msgs = [{k: v for k, v in dict(m).items() if v is not None} for m in messages]
-    token = _BUDGET.set(_Budget())
+    budget = _Budget()
+    token = _BUDGET.set(budget)
     try:
         parts, size = [], 0
         for chunk in template.generate(messages=msgs, **variables):
+            budget.check_time()
             size += len(chunk)
             if size > MAX_OUTPUT_CHARS:
                 raise _TemplateLimit(f"chat template output exceeds {MAX_OUTPUT_CHARS} characters")

@@ -53,8 +53,13 @@ class Tokenizer:
         source: str = "",
     ) -> None:
         self.backend = backend
-        self.vocab_size = int(vocab_size if vocab_size is not None
-                              else backend.get_vocab_size(with_added_tokens=True))
+        if vocab_size is None:
+            # one past the largest id, not the number of tokens: a tokenizer.json
+            # may leave holes (ids 0..511 and an added token at 886), and
+            # encode() returns ids up to the largest (found by fuzzing)
+            ids = backend.get_vocab(with_added_tokens=True).values()
+            vocab_size = max(ids, default=-1) + 1
+        self.vocab_size = int(vocab_size)
         self.bos_id = bos_id
         self.eos_id = eos_id
         self.add_bos = bool(add_bos and bos_id is not None)
