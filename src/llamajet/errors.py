@@ -30,3 +30,12 @@ class RequestError(LlamajetError, ValueError):
 class ConcurrencyError(LlamajetError, RuntimeError):
     """An object used across threads or event loops in a way its contract
     refuses (an AsyncEngine from a second event loop: docs/limits.md)."""
+
+
+def raise_if_panic(e: BaseException, what: str) -> None:
+    """A panic inside HF tokenizers' Rust code (pyo3's PanicException, which
+    derives from BaseException, so `except Exception` misses it) as a
+    TokenizerError: a tokenizer.json can be made to panic, e.g. a post-processor
+    template naming a special token its own map lacks (found by fuzzing)."""
+    if type(e).__name__ == "PanicException":
+        raise TokenizerError(f"{what}: the tokenizers library panicked ({e})") from None

@@ -333,3 +333,5 @@ def compile_template(source: str) -> Any:
         return env.from_string(_bounded_ast(env, source))
     except jinja2.exceptions.TemplateSyntaxError as e:
         raise TokenizerError(f"chat template does not compile: {e}") from e
+    except RecursionError:  # jinja2's parser and compiler recurse per nesting level (found by fuzzing)
+        raise TokenizerError("chat template nests too deeply to compile") from None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from llamajet.errors import TokenizerError
+from llamajet.errors import TokenizerError, raise_if_panic
 
 
 class StreamDecoder:
@@ -18,7 +18,16 @@ class StreamDecoder:
     """
 
     def __init__(self, tokenizer: Any) -> None:  # a Tokenizer (core.py)
-        self._decode = tokenizer.backend.decode
+        backend_decode = tokenizer.backend.decode
+
+        def decode(ids: list[int], skip_special_tokens: bool) -> str:
+            try:
+                return backend_decode(ids, skip_special_tokens=skip_special_tokens)
+            except BaseException as e:  # a Rust panic (core.raise_if_panic)
+                raise_if_panic(e, "streaming decode failed")
+                raise
+
+        self._decode = decode
         self._vocab_size = tokenizer.vocab_size
         self._ids: list[int] = []  # the window: left context + ids not yet emitted
         self._read = 0  # ids before it have been emitted (they are the left context)
