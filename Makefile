@@ -47,24 +47,23 @@ run: setup
 chat: setup
 	$(BIN)/llamajet chat
 
-# The suite, then the C++ core's tests under ASan + UBSan (gcc) on every ISA
-# tier (tools/sanitize.sh), then every fuzz target for FUZZ_RUNS inputs on an
-# ASan build (tools/fuzz.py): clang's, coverage-guided into the C++, when
-# clang++ is there or can be installed, else gcc's sanitize build (unguided).
+# The suite, then the C++ core's tests under ASan + UBSan on every ISA tier
+# (tools/sanitize.sh), then every fuzz target for FUZZ_RUNS inputs on that
+# same ASan build (tools/fuzz.py): clang's, coverage-guided into the C++,
+# when clang++ is there or can be installed, else gcc's (unguided).
 FUZZ_RUNS ?= 2000
 test: setup $(CONVERTER)
 	$(BIN)/python -m pytest -q
 	$(MAKE) --no-print-directory sanitize fuzz
 
-# Debian's clang for the coverage-guided fuzz build: installed when missing if
-# this is root on a machine with apt-get (CI); otherwise fuzz uses the gcc
-# sanitizer build, unguided, and says so.
+# Debian's clang for the coverage-guided build: installed when missing if this
+# is root on a machine with apt-get (CI); otherwise both runs use gcc and say so.
 clang:
 	@command -v clang++ > /dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get > /dev/null && \
 	  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends clang; } \
 	  > $(VENV)/apt-clang.log 2>&1; } || echo "make: no clang++ and cannot install it: sanitize and fuzz use gcc"
 
-sanitize: setup
+sanitize: setup clang
 	PY=$(abspath $(BIN))/python bash tools/sanitize.sh
 
 fuzz: setup clang

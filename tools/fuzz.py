@@ -53,8 +53,8 @@ def build(compiler: str) -> tuple[Path, list[str], str]:
         compiler = "clang++" if shutil.which("clang++") else "g++"
     clang = compiler.startswith("clang")
     sanitizers = "fuzzer-no-link,address,undefined" if clang else "address,undefined"
-    # gcc: the very build tools/sanitize.sh makes (same directory, same flags), so it is compiled once
-    out = ROOT / "build" / (f"fuzz-{compiler}" if clang else f"sanitize-{compiler}")
+    # the very build tools/sanitize.sh makes (same directory, same flags), so make test compiles it once
+    out = ROOT / "build" / f"sanitize-{compiler}"
     cfg = ["cmake", "-S", str(ROOT), "-B", str(out), "-DCMAKE_BUILD_TYPE=Debug", f"-DCMAKE_CXX_COMPILER={compiler}",
            f"-DPython_EXECUTABLE={PY}", f"-DLLAMAJET_SANITIZE={sanitizers}"]
     log = out.with_suffix(".build.log")

@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
 # make sanitize: the C++ core's tests under AddressSanitizer + UndefinedBehaviorSanitizer.
 #
-# Builds the extension with -DLLAMAJET_SANITIZE into build/sanitize-<compiler>
-# (g++ with address,undefined; CXX=clang++ adds fuzzer-no-link and uses
-# atheris's runtime), loads it in place of the installed one
-# (LLAMAJET_CORE_SO, tests/sancore.py) and runs the kernel, executor,
-# attention, KV-pool, fusion, loader and engine tests: once at the best tier
-# with every test, then once per lower ISA tier this CPU has (LLAMAJET_ISA)
-# with the engine-level tests. Any sanitizer report fails the run (UB is
-# fatal, -fno-sanitize-recover) and is printed. Leak checking is off: CPython
-# frees little at exit by design.
+# Builds the extension with -DLLAMAJET_SANITIZE into build/sanitize-<compiler>:
+# clang++ when present (address,undefined plus fuzzer-no-link, so the same
+# build serves make fuzz with coverage into the C++), else g++
+# (address,undefined). CXX=... picks one. The build is loaded in place of the
+# installed one (LLAMAJET_CORE_SO, tests/sancore.py) and runs the kernel,
+# executor, attention, KV-pool, fusion, loader and engine tests: once at the
+# best tier with every test, then once per lower ISA tier this CPU has
+# (LLAMAJET_ISA) with the engine-level tests. Any sanitizer report fails the
+# run (UB is fatal, -fno-sanitize-recover) and is printed. Leak checking is
+# off: CPython frees little at exit by design.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-$PWD/.venv/bin/python}
-CXX=${CXX:-g++}
-# tools/fuzz.py builds the same directory with the same flags when it runs on gcc (keep the two in step)
+if [[ -z "${CXX:-}" ]]; then
+  if command -v clang++ > /dev/null; then CXX=clang++; else CXX=g++; fi
+fi
+# tools/fuzz.py builds the same directory with the same flags (keep the two in step)
 if [[ "$(basename "$CXX")" == clang* ]]; then SAN=fuzzer-no-link,address,undefined; else SAN=address,undefined; fi
 BUILD=build/sanitize-$(basename "$CXX")
 JOBS=${JOBS:-$(nproc)}
