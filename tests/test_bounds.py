@@ -233,6 +233,21 @@ def test_render_time_bound(monkeypatch):
     assert render("{% for i in range(1000) %}{% endfor %}ok", MSGS) == "ok"
 
 
+def test_template_nesting_bound(qwen25_tokenizer_dir):
+    """Deeply nested expressions are refused after parsing, before jinja2's quadratic constant folding
+    (200 chained operators: 1.9 s, then a SyntaxError from Python's compiler, before this bound)."""
+    import jinja2
+
+    with pytest.raises(TokenizerError, match="nests"):
+        render("{{ a " + "+" * 200 + " b }}", MSGS)
+    with pytest.raises(TokenizerError, match="nests too deeply"):
+        render("{{ " + "[" * 3000 + " }}", MSGS)  # the parser's own recursion
+    from llamajet.tokenizer import load_tokenizer
+
+    real = load_tokenizer(qwen25_tokenizer_dir).chat_template
+    assert chat._ast_depth(jinja2.Environment().parse(real)) < chat.MAX_NESTING // 2
+
+
 def test_template_source_size():
     with refused(TokenizerError, "above the limit"):
         render("x" * (chat.MAX_TEMPLATE_CHARS + 1), MSGS)

@@ -53,6 +53,12 @@ MAX_STEPS = 200_000
 # 20 tools included); the fuzz campaign calls anything over 2 s a hang.
 MAX_RENDER_SECONDS = 1.0
 TIME_CHECK_EVERY = 256
+# Nesting depth of a template's syntax tree. jinja2's compiler folds
+# constants once per level over the levels below (quadratic: 200 chained
+# operators took 1.9 s, then Python's own compiler refused the generated code
+# with SyntaxError; found by fuzzing). Real templates nest 10 (SmolLM2) and
+# 19 (Qwen2.5) deep (tests/test_bounds.py).
+MAX_NESTING = 64
 MAX_TEMPLATE_CHARS = 1024 * 1024  # a template's source (real ones: 1-30 kB); compiling is linear in it
 
 # name of the global the rewritten loops and concatenations call (see _bounded_ast)
@@ -179,7 +185,21 @@ def _bounded_ast(env: Any, source: str) -> Any:
             node = self.generic_visit(node)
             return guard("concat", node.nodes)
 
-    return Rewrite().visit(env.parse(source))
+    tree = env.parse(source)
+    depth = _ast_depth(tree)
+    if depth > MAX_NESTING:
+        raise TokenizerError(f"chat template nests {depth} levels deep, above the limit of {MAX_NESTING}")
+    return Rewrite().visit(tree)
+
+
+def _ast_depth(tree: Any) -> int:
+    """The deepest node of a jinja2 AST, walked without recursion."""
+    deepest, stack = 0, [(tree, 1)]
+    while stack:
+        node, d = stack.pop()
+        deepest = max(deepest, d)
+        stack.extend((c, d + 1) for c in node.iter_child_nodes())
+    return deepest
 
 
 def render(source: str, messages: list[dict], **variables: Any) -> str:
@@ -333,5 +353,7 @@ def compile_template(source: str) -> Any:
         return env.from_string(_bounded_ast(env, source))
     except jinja2.exceptions.TemplateSyntaxError as e:
         raise TokenizerError(f"chat template does not compile: {e}") from e
-    except RecursionError:  # jinja2's parser and compiler recurse per nesting level (found by fuzzing)
+    except (RecursionError, SyntaxError, MemoryError):
+        # jinja2's parser and compiler recurse per nesting level, and Python's
+        # compiler refuses deeply nested generated code (found by fuzzing)
         raise TokenizerError("chat template nests too deeply to compile") from None
