@@ -6,6 +6,8 @@ callers can catch ``LlamajetError`` and nothing else. Messages name the file,
 field or value at fault.
 """
 
+from contextlib import contextmanager
+
 
 class LlamajetError(Exception):
     """Base class of every error llamajet raises on purpose."""
@@ -32,10 +34,15 @@ class ConcurrencyError(LlamajetError, RuntimeError):
     refuses (an AsyncEngine from a second event loop: docs/limits.md)."""
 
 
-def raise_if_panic(e: BaseException, what: str) -> None:
-    """A panic inside HF tokenizers' Rust code (pyo3's PanicException, which
-    derives from BaseException, so `except Exception` misses it) as a
-    TokenizerError: a tokenizer.json can be made to panic, e.g. a post-processor
-    template naming a special token its own map lacks (found by fuzzing)."""
-    if type(e).__name__ == "PanicException":
-        raise TokenizerError(f"{what}: the tokenizers library panicked ({e})") from None
+@contextmanager
+def tokenizer_panics(what: str):
+    """Turn a panic inside HF tokenizers' Rust code into a TokenizerError. pyo3's
+    PanicException derives from BaseException, so `except Exception` misses it;
+    a tokenizer.json can be made to panic, e.g. a post-processor template naming
+    a special token its own map lacks (found by fuzzing)."""
+    try:
+        yield
+    except BaseException as e:
+        if type(e).__name__ == "PanicException":
+            raise TokenizerError(f"{what}: the tokenizers library panicked ({e})") from None
+        raise

@@ -8,7 +8,7 @@ from typing import Any, Iterable
 
 import tokenizers
 
-from llamajet.errors import TokenizerError, raise_if_panic
+from llamajet.errors import TokenizerError, tokenizer_panics
 from llamajet.tokenizer.chat import render
 from llamajet.tokenizer.stream import StreamDecoder
 
@@ -93,11 +93,8 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
-        try:
+        with tokenizer_panics(f"tokenizer from {self.source or 'memory'} failed to encode this text"):
             ids = self.backend.encode(text, add_special_tokens=False).ids
-        except BaseException as e:  # a Rust panic is a BaseException; anything else goes up as is
-            raise_if_panic(e, f"tokenizer from {self.source or 'memory'} failed to encode this text")
-            raise
         if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_id):
             ids.insert(0, self.bos_id)
         return ids
@@ -108,11 +105,8 @@ class Tokenizer:
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
             raise TokenizerError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
-        try:
+        with tokenizer_panics(f"tokenizer from {self.source or 'memory'} failed to decode {len(ids)} ids"):
             return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
-        except BaseException as e:
-            raise_if_panic(e, f"tokenizer from {self.source or 'memory'} failed to decode {len(ids)} ids")
-            raise
 
     def token_to_id(self, s: str) -> int | None:
         return self.backend.token_to_id(s)

@@ -10,7 +10,7 @@ from typing import Any
 
 import tokenizers
 
-from llamajet.errors import ModelFormatError, TokenizerError, raise_if_panic
+from llamajet.errors import ModelFormatError, TokenizerError, tokenizer_panics
 from llamajet.tokenizer.chat import MAX_TEMPLATE_CHARS
 from llamajet.tokenizer.core import Tokenizer
 
@@ -57,12 +57,9 @@ def from_hf_files(tokenizer_json: Path) -> Tokenizer:
     bos_id = special_id("bos_token", gcfg, mcfg)
     eos_id = special_id("eos_token", gcfg, mcfg)
     # What the file's own post-processor does tells whether BOS is expected.
-    try:
+    with tokenizer_panics(f"{tokenizer_json}: not a usable tokenizer.json"):  # its post-processor can panic
         with_specials = backend.encode("a", add_special_tokens=True).ids
         plain = backend.encode("a", add_special_tokens=False).ids
-    except BaseException as e:  # the file's post-processor can panic in Rust (a BaseException)
-        raise_if_panic(e, f"{tokenizer_json}: not a usable tokenizer.json")
-        raise
     prepends = with_specials[0] if with_specials[1:1 + len(plain)] == plain else None
     if bos_id is None and prepends is not None:
         bos_id = prepends

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from llamajet.errors import TokenizerError, raise_if_panic
+from llamajet.errors import TokenizerError, tokenizer_panics
 
 
 class StreamDecoder:
@@ -21,11 +21,8 @@ class StreamDecoder:
         backend_decode = tokenizer.backend.decode
 
         def decode(ids: list[int], skip_special_tokens: bool) -> str:
-            try:
+            with tokenizer_panics("streaming decode failed"):
                 return backend_decode(ids, skip_special_tokens=skip_special_tokens)
-            except BaseException as e:  # a Rust panic (core.raise_if_panic)
-                raise_if_panic(e, "streaming decode failed")
-                raise
 
         self._decode = decode
         self._vocab_size = tokenizer.vocab_size
