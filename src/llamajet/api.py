@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Iterator, Sequence as Seq
@@ -21,10 +22,12 @@ from llamajet.engine.runner import ModelRunner
 from llamajet.engine.sampling import SamplingParams
 from llamajet.engine.sequence import Sequence
 from llamajet.errors import RequestError
+from llamajet.loaders import cache as weight_cache
 from llamajet.loaders import load_model
 from llamajet.loaders.gguf import release_file_pages, trim_heap
 from llamajet.models import default_model_path
 from llamajet.tokenizer import load_tokenizer, tokenizer_from_gguf
+from llamajet.tokenizer.gguf_vocab import is_gguf
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,14 @@ class LLM:
     def __init__(self, path: str | Path | None = None, config: RuntimeConfig | None = None, **options) -> None:
         runtime = (config or RuntimeConfig()).with_options(**options)
         self.path = Path(path) if path is not None else default_model_path()
-        self.model = load_model(self.path)
+        self.model = None
+        #: the repacked-weights cache entry this model was mapped from (weight_cache), else None
+        self.cache_entry: Path | None = None
+        if runtime.weight_cache and runtime.repack and runtime.load_scheme is None and self.path.is_file() \
+                and is_gguf(self.path):
+            self._use_weight_cache(Path(runtime.weight_cache).expanduser())
+        if self.model is None:
+            self.model = load_model(self.path)
         self.config = self.model.config
         if self.model.gguf_reader is not None:
             self.tokenizer = tokenizer_from_gguf(self.model.gguf_reader)
@@ -93,6 +103,29 @@ class LLM:
             trim_heap()
         self.async_engine = AsyncEngine(self.engine)
         self._lock = threading.Lock()  # serializes generate / chat / logits (see the class docstring)
+
+    def _use_weight_cache(self, root: Path) -> None:
+        """Point this load at the cache entry of the GGUF (writing it on a
+        miss); a file the cache does not take, or an entry that cannot be
+        written (a read-only or full disk: a warning), loads from the GGUF."""
+        hit = weight_cache.lookup(root, self.path)
+        if hit is None:
+            gguf = load_model(self.path)
+            why = weight_cache.cacheable(gguf)
+            if why is not None:
+                self.model = gguf  # loaded already: used as is
+                return
+            try:
+                hit = weight_cache.write_entry(gguf, tokenizer_from_gguf(gguf.gguf_reader),
+                                               weight_cache.entry_path(root, self.path))
+            except OSError as e:
+                warnings.warn(f"weight_cache: cannot write under {root} ({e}); loading {self.path} without it",
+                              stacklevel=3)
+                self.model = gguf
+                return
+            del gguf
+        self.cache_entry = hit
+        self.path = hit
 
     # -- info
 

@@ -566,6 +566,9 @@ class RuntimeConfig:
     kv_cache_memory: str | None = _option(
         None, "KV pool size in bytes, e.g. 4GiB, 512MiB, 2GB or a byte count: the pool holds as many "
         "blocks as fit (must hold one max_model_len context)")
+    weight_cache: str | None = _option(
+        None, "a folder for GGUF weights in the kernels' layout: the first load of a .gguf writes them there "
+        "(a saved llamajet model, as big as the file), later loads map them without repacking (default: off)")
     block_size: int = _option(16, "token slots per KV block")
     enable_prefix_caching: bool = _option(True, "reuse the K/V of equal prompt prefixes across requests")
     # The block manager hands out blocks least-recently-freed first (so cached
@@ -610,7 +613,7 @@ class RuntimeConfig:
                 bad("kv_cache_memory", str(e))
             if self.kv_cache_tokens is not None:
                 bad("kv_cache_memory", "give kv_cache_tokens or kv_cache_memory, not both")
-        for name in ("isa", "quantize"):
+        for name in ("isa", "quantize", "weight_cache"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):
                 bad(name, "must be a name or None")

@@ -213,6 +213,32 @@ class SavedTensor:
                        self.produce)
 
 
+def kept(w: Weight, release: Callable[[Weight], None] | None = None) -> tuple[SavedTensor, str]:
+    """What `w` becomes in a saved model that keeps the checkpoint's weights
+    as ``LLM(path)`` runs them (``quantize --scheme keep``, the repacked-weights
+    cache), and the summary bucket it counts in: norms and biases f32; packed
+    weights as they are; GGUF blocks with a lossless twin repacked (then
+    `release`d: the writer drops their file pages); float matrices in their
+    own dtype."""
+    from llamajet.formats.gguf_blocks import LOSSLESS, repack_gguf
+
+    shape, inter = tuple(w.shape), w.rope_interleaved
+    if not w.kind.quantizable:  # norms, biases: f32 (the kernels read fp32)
+        return SavedTensor(w.name, w.kind, FLOATS["f32"], shape, inter, w.to_f32), f"{w.kind.value}s (f32)"
+    if w.packed:
+        return SavedTensor(w.name, w.kind, w.scheme, shape, inter, lambda: w.data), f"copied packed ({w.scheme.name})"
+    if w.dtype in LOSSLESS:
+        s = get_scheme(LOSSLESS[w.dtype])
+
+        def produce():
+            data = repack_gguf(w).data
+            if release is not None:
+                release(w)
+            return data
+        return SavedTensor(w.name, w.kind, s, shape, inter, produce), f"repacked losslessly ({w.dtype}->{s.name})"
+    return SavedTensor(w.name, w.kind, w.format, shape, inter, lambda: w.data), f"kept float ({w.dtype})"
+
+
 def _meta_text(meta: dict) -> str:
     """llamajet.json, indented, one line per tensor (a diff or a grep reads it)."""
     head = json.dumps({k: v for k, v in meta.items() if k != "tensors"}, indent=1)

@@ -22,8 +22,6 @@ is written last, so a folder holding it is complete.
 from __future__ import annotations
 
 import dataclasses
-import json
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,13 +31,14 @@ import numpy as np
 from llamajet import ops
 from llamajet.errors import LlamajetError
 from llamajet.formats import saved
-from llamajet.formats.gguf_blocks import LOSSLESS, repack_gguf
+from llamajet.formats.gguf_blocks import LOSSLESS
 from llamajet.formats.layout import FLOATS
 from llamajet.formats.saved import META_FILE, WEIGHTS_FILE, SavedTensor
 from llamajet.formats.schemes import QuantScheme, get_scheme, rtn_scheme, schemes
 from llamajet.formats.weight import Kind, Weight
 from llamajet.loaders import LoadedModel, load_model
 from llamajet.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_gguf
+from llamajet.tokenizer.export import check_written, write_tokenizer_files
 
 KEEP = "keep"
 
@@ -85,24 +84,19 @@ def _plan(w: Weight, sch: QuantScheme | None) -> tuple[SavedTensor, str]:
     """What `w` becomes in the saved model, and the summary bucket it counts in."""
     shape, inter = tuple(w.shape), w.rope_interleaved
 
-    def packed(s: QuantScheme, produce, what):
-        return SavedTensor(w.name, w.kind, s, shape, inter, produce), what
-
     def requant(s: QuantScheme):  # the C++ quantizer LLM(path, quantize=S) uses at load
-        return lambda: ops.quantize_packed(s.code, s.group_for(shape[1]), w.to_f32())
+        return SavedTensor(w.name, w.kind, s, shape, inter,
+                           lambda: ops.quantize_packed(s.code, s.group_for(shape[1]), w.to_f32()))
 
-    if not w.kind.quantizable:  # norms, biases: f32 (the kernels read fp32)
-        return SavedTensor(w.name, w.kind, FLOATS["f32"], shape, inter, w.to_f32), f"{w.kind.value}s (f32)"
+    if sch is None or not w.kind.quantizable:  # keep (saved.kept), and norms / biases whatever the scheme
+        return saved.kept(w)
     if w.packed:
-        if sch is None or w.scheme == sch:
-            return packed(w.scheme, lambda: w.data, f"copied packed ({w.scheme.name})")
-        return packed(sch, requant(sch), f"re-quantized {w.scheme.name}->{sch.name}")
-    if w.dtype in LOSSLESS and (sch is None or sch.name == LOSSLESS[w.dtype]):
-        s = get_scheme(LOSSLESS[w.dtype])
-        return packed(s, lambda: repack_gguf(w).data, f"repacked losslessly ({w.dtype}->{s.name})")
-    if sch is None:  # keep: a float matrix stays float, in its own dtype (bf16 as raw bits)
-        return SavedTensor(w.name, w.kind, w.format, shape, inter, lambda: w.data), f"kept float ({w.dtype})"
-    return packed(sch, requant(sch), f"RTN {w.dtype}->{sch.name}")
+        if w.scheme == sch:
+            return saved.kept(w)
+        return requant(sch), f"re-quantized {w.scheme.name}->{sch.name}"
+    if w.dtype in LOSSLESS and sch.name == LOSSLESS[w.dtype]:
+        return saved.kept(w)
+    return requant(sch), f"RTN {w.dtype}->{sch.name}"
 
 
 # --- tokenizer ----------------------------------------------------------------------
@@ -110,69 +104,6 @@ def _plan(w: Weight, sch: QuantScheme | None) -> tuple[SavedTensor, str]:
 
 def _source_tokenizer(model: LoadedModel, src: Path) -> Tokenizer:
     return tokenizer_from_gguf(model.gguf_reader) if model.gguf_reader is not None else load_tokenizer(src)
-
-
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    data = json.loads(path.read_text(encoding="utf-8"))
-    return data if isinstance(data, dict) else {}
-
-
-def _write_tokenizer(tok: Tokenizer, src: Path, out: Path, max_len: int) -> None:
-    """tokenizer.json (copied from an HF source, else the backend built from the
-    GGUF vocabulary), and configs that state every fact load_tokenizer needs
-    explicitly: bos/eos, add_bos, chat template, stop ids."""
-    src_dir = src if src.is_dir() else None
-    if src_dir is not None and (src_dir / "tokenizer.json").is_file():
-        shutil.copyfile(src_dir / "tokenizer.json", out / "tokenizer.json")
-        tcfg = _read_json(src_dir / "tokenizer_config.json")
-        gcfg = _read_json(src_dir / "generation_config.json")
-    else:
-        tok.backend.save(str(out / "tokenizer.json"))
-        tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len}
-        gcfg = {}
-
-    def name(i: int | None) -> str | None:
-        # a token named by its text only when the text leads back to that id
-        t = tok.backend.id_to_token(i) if i is not None else None
-        return t if t is not None and tok.backend.token_to_id(t) == i else None
-
-    for key, i in (("bos_token", tok.bos_id), ("eos_token", tok.eos_id)):
-        tcfg.pop(key, None)
-        if name(i) is not None:
-            tcfg[key] = name(i)
-    tcfg["add_bos_token"] = tok.add_bos
-    tcfg.pop("chat_template", None)
-    if tok.chat_template:
-        tcfg["chat_template"] = tok.chat_template
-    # NOTE: every stop id goes into generation_config's eos list (primary EOS first):
-    # the saved folder has no config.json, whose eos ids the source's tokenizer may have used.
-    stops = ([tok.eos_id] if tok.eos_id is not None else []) + sorted(tok.stop_ids - {tok.eos_id})
-    gcfg["eos_token_id"] = stops
-    gcfg.pop("bos_token_id", None)
-    if tok.bos_id is not None:
-        gcfg["bos_token_id"] = tok.bos_id
-    (out / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2, ensure_ascii=False) + "\n",
-                                               encoding="utf-8")
-    (out / "generation_config.json").write_text(json.dumps(gcfg, indent=2) + "\n", encoding="utf-8")
-    (out / "chat_template.jinja").unlink(missing_ok=True)  # a stale one (--force) would win over tcfg's
-
-
-def _check_tokenizer(tok: Tokenizer, out: Path) -> None:
-    """The saved tokenizer must behave as the source's: same ids, BOS/EOS, stops, template."""
-    new = load_tokenizer(out)
-    specials = "".join(new.backend.id_to_token(i) or "" for i in sorted(new.special_ids)[:8])
-    probe = f"Hello world!  It's 2024: ünïcödé ✓ 漢字\n\n\tcode();{specials} end"
-    facts = ("bos_id", "add_bos", "stop_ids", "chat_template")
-    diff = [f for f in facts if getattr(new, f) != getattr(tok, f)]
-    if tok.eos_id is not None and new.eos_id != tok.eos_id:
-        diff.append("eos_id")
-    for special in (True, False):
-        if new.encode(probe, add_special_tokens=special) != tok.encode(probe, add_special_tokens=special):
-            diff.append(f"encode(add_special_tokens={special})")
-    if diff:
-        raise LlamajetError(f"{out}: the saved tokenizer differs from the source's in {', '.join(diff)}")
 
 
 # --- the command ----------------------------------------------------------------------
@@ -323,8 +254,8 @@ def quantize_model(src: str | Path, out: str | Path, scheme: str, force: bool = 
 
     out.mkdir(parents=True, exist_ok=True)
     size, entries = saved.write_weights(out, [t for t, _ in plans])
-    _write_tokenizer(tok, src, out, model.config.max_position_embeddings)
-    _check_tokenizer(tok, out)
+    write_tokenizer_files(tok, src, out, model.config.max_position_embeddings)
+    check_written(tok, out)
     extra = {"smoothing": smoothing_meta(cal)} if cal.cols else {}
     saved.write_meta(out, config, entries, scheme=scheme if label == "rtn" else f"{scheme}+{label}",
                      source=src.name, **extra)
