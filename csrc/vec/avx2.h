@@ -46,6 +46,7 @@ inline void f32_row_to_f16(const float* src, uint16_t* dst, int64_t n) {
 struct VecI { __m256i v; };
 constexpr int S8_BIAS = 0;  // the sign trick keeps dot_s8s8 exact
 inline VecI izero() { return {_mm256_setzero_si256()}; }
+inline VecI iset1(int32_t b) { return {_mm256_set1_epi32(b)}; }
 inline VecI load_u8x4(const uint8_t* p) { return {_mm256_loadu_si256((const __m256i*)p)}; }
 inline VecI nib_lo(VecI a) { return {_mm256_and_si256(a.v, _mm256_set1_epi8(0x0F))}; }
 inline VecI nib_hi(VecI a) { return {_mm256_and_si256(_mm256_srli_epi16(a.v, 4), _mm256_set1_epi8(0x0F))}; }

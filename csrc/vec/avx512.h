@@ -40,6 +40,7 @@ struct VecI { __m512i v; };
 // dot_s8s8 flips w to u8 (w + 128) for vpdpbusd: the caller subtracts 128 * sum(x).
 constexpr int S8_BIAS = 128;
 inline VecI izero() { return {_mm512_setzero_si512()}; }
+inline VecI iset1(int32_t b) { return {_mm512_set1_epi32(b)}; }
 inline VecI load_u8x4(const uint8_t* p) { return {_mm512_loadu_si512((const void*)p)}; }
 inline VecI nib_lo(VecI a) { return {_mm512_and_si512(a.v, _mm512_set1_epi8(0x0F))}; }
 inline VecI nib_hi(VecI a) { return {_mm512_and_si512(_mm512_srli_epi16(a.v, 4), _mm512_set1_epi8(0x0F))}; }

@@ -36,6 +36,7 @@ inline void f32_row_to_f16(const float* src, uint16_t* dst, int64_t n) {
 struct VecI { int32_t v; };
 constexpr int S8_BIAS = 0;  // dot_s8s8 is exact here
 inline VecI izero() { return {0}; }
+inline VecI iset1(int32_t b) { return {b}; }
 inline VecI load_u8x4(const uint8_t* p) { uint32_t u; std::memcpy(&u, p, 4); return {(int32_t)u}; }
 inline VecI nib_lo(VecI a) { return {(int32_t)((uint32_t)a.v & 0x0F0F0F0Fu)}; }
 inline VecI nib_hi(VecI a) { return {(int32_t)(((uint32_t)a.v >> 4) & 0x0F0F0F0Fu)}; }
