@@ -47,7 +47,8 @@ def _llamajet_worker(conn, model, cfg, max_len, fuse=True):
     llm = LLM(model, cfg, max_model_len=max_len, max_tokens_per_step=512, enable_prefix_caching=False,
               max_num_seqs=1, fuse=fuse and cfg.fuse, **pool)
     load = time.perf_counter() - t0
-    conn.send(("ready", f"llamajet ({llm.isa}, {cfg.kernels}{'' if llm.runtime.fuse else ', no-fuse'})", load))
+    conn.send(("ready", f"llamajet ({llm.isa}, {cfg.kernels}{'' if llm.runtime.fuse else ', no-fuse'})", load,
+               _memory_figures(llm)))
 
     def timed(ids, n):
         t = time.perf_counter()
@@ -55,6 +56,16 @@ def _llamajet_worker(conn, model, cfg, max_len, fuse=True):
         return time.perf_counter() - t
 
     _serve(conn, timed)
+
+
+def _memory_figures(llm) -> dict:
+    """What the loaded model holds and reads: the weights as the kernels read
+    them, the KV pool, and the bytes one decode step streams (every matmul's
+    weights whole; an embedding gather reads one row, nothing to count)."""
+    r = llm.engine.runner
+    mm = {n.inputs["w"] for n in r.graph.nodes if n.op == "matmul"}
+    return {"weights_bytes": sum(w.data.nbytes for w in r.weights.values()), "kv_bytes": r.kv_pool_bytes,
+            "decode_bytes": sum(w.data.nbytes for name, w in r.weights.items() if name in mm)}
 
 
 def _llama_cpp_worker(conn, model, cfg, max_len, fuse=True):
@@ -68,7 +79,7 @@ def _llama_cpp_worker(conn, model, cfg, max_len, fuse=True):
     lc = llama_cpp.Llama(model_path=str(model), n_threads=threads, n_threads_batch=threads, n_ctx=max_len,
                          n_batch=512, flash_attn=True, verbose=False)
     load = time.perf_counter() - t0
-    conn.send(("ready", f"llama.cpp {llama_cpp.__version__}", load))
+    conn.send(("ready", f"llama.cpp {llama_cpp.__version__}", load, {}))
 
     n_vocab = lc.n_vocab()
 
@@ -125,6 +136,7 @@ class EngineFigures:
     decode_long: list = field(default_factory=list)  # tok/s after the long prompt
     peak_rss_mib: float = float("nan")
     load_s: float = float("nan")
+    memory: dict = field(default_factory=dict)  # llamajet's: weights_bytes, kv_bytes, decode_bytes
 
     def med(self):
         return ({p: statistics.median(v) for p, v in self.prefill.items()}, statistics.median(self.decode))
@@ -155,7 +167,7 @@ def run(model: str | None = None, cfg=None, rounds: int = 3, vs_llama_cpp: bool 
     from llamajet.config import RuntimeConfig
     from llamajet.loaders import load_model
     from llamajet.models import default_model_path
-    from llamajet.ops import default_threads
+    from llamajet.ops import default_threads, read_bandwidth
     from llamajet.tokenizer import load_tokenizer, tokenizer_from_gguf
 
     model = str(model or default_model_path())
@@ -183,16 +195,21 @@ def run(model: str | None = None, cfg=None, rounds: int = 3, vs_llama_cpp: bool 
         b.close()  # only the child holds its end: if it dies, recv() here raises EOFError instead of waiting
         conns.append(_Checked(a, name, pr))
         procs.append(pr)
-        tag, label, load = conns[-1].recv()
-        figs.append(EngineFigures(label, load_s=load))
+        tag, label, load, memory = conns[-1].recv()
+        figs.append(EngineFigures(label, load_s=load, memory=memory))
     for c in conns:  # warm-up round, not recorded
         _round(c, prompts, EngineFigures("warm-up"))
+    # the machine's read bandwidth, measured in this run between the rounds
+    # (here, in the parent: the workers' peak RSS stays theirs), on a buffer
+    # far larger than the caches
+    bw = []
     for r in range(rounds):
         order = list(range(len(conns)))
         if r % 2:
             order.reverse()
         for i in order:
             _round(conns[i], prompts, figs[i], long_ids)
+        bw.append(read_bandwidth(1 << 30, threads, 3))
     for c, pr, f in zip(conns, procs, figs):
         c.send(None)
         f.peak_rss_mib = c.recv()[1]
@@ -216,8 +233,20 @@ def run(model: str | None = None, cfg=None, rounds: int = 3, vs_llama_cpp: bool 
     if figures is not None:
         figures.extend(figs)
     lines.append("(tok/s; prefill = prompt tokens / time to the first token)")
+    bwm = statistics.median(bw) if bw else float("nan")
+    for f, (_, dec) in zip(figs, meds):
+        m = f.memory
+        if not m:
+            continue
+        floor = bwm / m["decode_bytes"]
+        bound = 1.1 * (m["weights_bytes"] + m["kv_bytes"]) / 2**20 + 150
+        f.memory.update(read_bw=bwm, decode_floor=floor, rss_bound_mib=bound)
+        lines.append(f"{f.name}: decode {dec:.1f} tok/s = {dec / floor:.0%} of the bandwidth floor "
+                     f"({m['decode_bytes'] / 1e6:.0f} MB a token at {bwm / 1e9:.1f} GB/s read, measured in this run: "
+                     f"{floor:.1f} tok/s); peak RSS {f.peak_rss_mib:.0f} MiB vs 1.1 x (weights "
+                     f"{m['weights_bytes'] / 2**20:.0f} + KV {m['kv_bytes'] / 2**20:.0f} MiB) + 150 = {bound:.0f} MiB")
     if json_path:
         Path(json_path).write_text(json.dumps([{"engine": f.name, "prefill": f.prefill, "decode": f.decode,
                                                 "decode_long": f.decode_long, "peak_rss_mib": f.peak_rss_mib,
-                                                "load_s": f.load_s} for f in figs], indent=1))
+                                                "load_s": f.load_s, "memory": f.memory} for f in figs], indent=1))
     return "\n".join(lines)

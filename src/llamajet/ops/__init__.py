@@ -23,6 +23,7 @@ Epilogue = _core.Epilogue
 Prologue = _core.Prologue
 cpu_features = _core.cpu_features
 step_allocations = _core.step_allocations
+read_bandwidth = _core.read_bandwidth  # (nbytes, n_threads, reps) -> best bytes/s
 
 OPS: dict[str, type] = dict(_core.OPS)          # graph op name -> params class
 KV_DTYPES: dict[str, DType] = dict(_core.KV_DTYPES)  # KV cache option name -> storage type
