@@ -19,7 +19,6 @@ import json
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from llamajet.engine.sampling import SamplingParams
@@ -173,21 +172,3 @@ def test_rss_after_load_near_the_file_size(probe):
     loaded = probe["loaded"]["VmRSS"] - probe["imports"]["VmRSS"] - probe["kv_pool_bytes"]
     assert loaded <= 1.6 * probe["file_bytes"] + 40 * MiB, (
         f"RSS after load {loaded / MiB:.0f} MiB above imports, file {probe['file_bytes'] / MiB:.0f} MiB")
-
-
-def test_weight_buffers_are_huge_page_aligned(monkeypatch):
-    """formats/memory.weight_buffer: large weight buffers start on a 2 MiB
-    boundary of their own mapping (so THP can back all of it), small ones and
-    LLAMAJET_HUGE_PAGES=0 get ordinary arrays; either is a plain writable array."""
-    from llamajet.formats import memory
-
-    big = memory.weight_buffer((3, memory.MIN_BYTES))
-    assert big.shape == (3, memory.MIN_BYTES) and big.dtype == np.uint8 and big.flags.writeable
-    assert big.ctypes.data % memory.HUGE == 0
-    big[:] = 7
-    assert int(big.sum()) == 7 * big.size
-    small = memory.weight_buffer((16, 1024), np.float32)
-    assert small.shape == (16, 1024) and small.dtype == np.float32
-    monkeypatch.setenv("LLAMAJET_HUGE_PAGES", "0")
-    off = memory.weight_buffer((3, memory.MIN_BYTES))
-    assert off.shape == (3, memory.MIN_BYTES) and off.base is None  # np.empty's own allocation

@@ -26,7 +26,6 @@ import numpy as np
 from llamajet import ops
 from llamajet.errors import LlamajetError
 from llamajet.formats.gguf_blocks import LOSSLESS
-from llamajet.formats.memory import weight_buffer
 from llamajet.formats.pending import deferred_twin
 from llamajet.formats.schemes import rtn_scheme
 from llamajet.formats.layout import BlockFormat, FloatFormat, get_format
@@ -86,7 +85,7 @@ def _rtn(sch, w: Weight, isa, n_threads, release=None):
         if release is not None:
             release(w)  # its file pages
         return data
-    out = weight_buffer(sch.storage_shape((n, k)))
+    out = np.empty(sch.storage_shape((n, k)), np.uint8)
     for r0 in range(0, n, _SLAB):
         src = w.data[r0 : r0 + _SLAB]
         part = ops.quantize_packed(sch.code, g, w.format.to_f32(src, (len(src), k)), isa, n_threads)

@@ -19,7 +19,6 @@ from typing import Callable
 
 import numpy as np
 
-from llamajet.formats.memory import weight_buffer
 from llamajet.formats.weight import Weight
 
 
@@ -49,7 +48,7 @@ def deferred_twin(w: Weight) -> Weight:
     from llamajet.formats.gguf_blocks import twin_scheme
 
     sch = twin_scheme(w)
-    data = weight_buffer(sch.storage_shape(w.shape))
+    data = np.empty(sch.storage_shape(w.shape), np.uint8)
     return Weight(w.name, w.kind, sch, w.shape, data, w.rope_interleaved,
                   pending=Pending((Fill(w, data, 0, data[0].nbytes),)))
 

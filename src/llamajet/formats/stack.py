@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 
 from llamajet import ops
-from llamajet.formats.memory import weight_buffer
 from llamajet.formats.packed import pack_parts, unpack_parts
 from llamajet.formats.pending import restack, written
 from llamajet.formats.weight import Weight
@@ -40,7 +39,7 @@ def stack_rows(name: str, ws, rope_interleaved: bool = True) -> Weight:
     n = sum(w.shape[0] for w in ws)
     if ws[0].packed:
         shape = (sum(w.data.shape[0] for w in ws), *ws[0].data.shape[1:])
-        out = weight_buffer(shape)
+        out = np.empty(shape, np.uint8)
         starts = np.cumsum([0] + [w.data.shape[0] for w in ws[:-1]]) * out[0].nbytes
         pending = restack(ws, out, starts.tolist(), 1)  # deferred parts: their fills go to out, nothing moves
         if pending is None:
@@ -53,7 +52,7 @@ def interleave_tiles(name: str, g: Weight, u: Weight) -> Weight:
     """Gate and up rows alternating in 16-row tiles: [g0..15, u0..15, g16..31, ...]."""
     n = 2 * g.shape[0]
     if g.packed:
-        out = weight_buffer((2 * g.data.shape[0], *g.data.shape[1:]))
+        out = np.empty((2 * g.data.shape[0], *g.data.shape[1:]), np.uint8)
         pending = restack([g, u], out, [0, out[0].nbytes], 2)
         if pending is None:
             out = np.stack([written(g).data, written(u).data], axis=1).reshape(-1, *g.data.shape[1:])
