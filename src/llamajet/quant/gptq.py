@@ -103,32 +103,60 @@ def gptq_quantize(w: np.ndarray, hessian: np.ndarray, scheme: QuantScheme, block
         perm = np.argsort(-np.diag(H), kind="stable")
     else:
         perm = np.arange(K)
-    W, H = W[:, perm], H[perm][:, perm]
+    H = H[perm][:, perm]
     H[np.diag_indices(K)] += damp * np.mean(np.diag(H))
     U = np.linalg.cholesky(np.linalg.inv(H)).T  # upper: H^-1 = U^T U
-    Q = np.zeros_like(W)
-    codes = np.zeros((N, K), np.int16)
+    # Columns as rows: WT [K, N] (in visiting order), so each column the loop reads, rounds and
+    # updates is contiguous; in [N, K] every value of a column sat on its own cache line.
+    WT = np.ascontiguousarray(W[:, perm].T)
+    QT = np.zeros_like(WT)
+    codesT = np.zeros((K, N), np.int16)
+    # Per group, the float64 constants round_to derives from the fp16 scales, made once per group
+    # instead of once per column; the same operations on the same values as round_to, so the same codes.
+    sym4, asym4 = scheme.bits == 4 and scheme.symmetric, scheme.bits == 4 and not scheme.symmetric
+    lo, hi, off = (0.0, 15.0, 8.0) if sym4 else (0.0, 15.0, 0.0) if asym4 else (-127.0, 127.0, 0.0)
+    df_all, inv_all, mf_all = np.zeros((ng, N)), np.zeros((ng, N)), np.zeros((ng, N))
+
+    def set_group(gi, d, m):
+        d_all[:, gi] = d
+        df = d.astype(np.float32).astype(np.float64)
+        df_all[gi] = df
+        inv_all[gi] = np.divide(1.0, df, out=np.zeros_like(df), where=df != 0)
+        if m is not None:
+            m_all[:, gi] = m
+            mf_all[gi] = m.astype(np.float32).astype(np.float64)
+
+    if act_order:
+        for gi in range(ng):
+            set_group(gi, d_all[:, gi].copy(), None if m_all is None else m_all[:, gi].copy())
+    c = np.empty(N)
     for b0 in range(0, K, block):
         b1 = min(b0 + block, K)
-        W1 = W[:, b0:b1].copy()
+        W1 = WT[b0:b1].copy()
         E1 = np.zeros_like(W1)
         U1 = U[b0:b1, b0:b1]
         for i in range(b1 - b0):
             col = perm[b0 + i]
             gi = col // g
             if not act_order and col % g == 0:  # a new group: its scales from the updated columns
-                d, m = group_params(np.concatenate([W1[:, i:i + g], W[:, b1:b0 + i + g]], axis=1)
-                                    if i + g > b1 - b0 else W1[:, i:i + g], scheme, search)
-                d_all[:, gi] = d
-                if m_all is not None:
-                    m_all[:, gi] = m
-            c, q = round_to(W1[:, i], d_all[:, gi], None if m_all is None else m_all[:, gi], scheme)
-            codes[:, b0 + i] = c
-            Q[:, b0 + i] = q
-            err = (W1[:, i] - q) / U1[i, i]
-            W1[:, i:] -= np.outer(err, U1[i, i:])
-            E1[:, i] = err
-        W[:, b1:] -= E1 @ U[b0:b1, b1:]
+                cols = (np.concatenate([W1[i:i + g], WT[b1:b0 + i + g]], axis=0)
+                        if i + g > b1 - b0 else W1[i:i + g])
+                set_group(gi, *group_params(np.ascontiguousarray(cols.T), scheme, search))
+            w_i, df, mf = W1[i], df_all[gi], mf_all[gi]
+            # round_to: codes rint(w / d) (+ 8), or rint((w - m) / d), clipped; values d (c - 8), d c + m, d c
+            np.multiply(w_i - mf if asym4 else w_i, inv_all[gi], out=c)
+            np.rint(c, out=c)
+            if off:
+                c += off
+            np.clip(c, lo, hi, out=c)
+            codesT[b0 + i] = c
+            q = df * (c - off) + mf if asym4 else df * (c - off)
+            QT[b0 + i] = q
+            err = (w_i - q) / U1[i, i]
+            W1[i:] -= U1[i, i:, None] * err
+            E1[i] = err
+        WT[b1:] -= U[b0:b1, b1:].T @ E1
+    Q, codes = QT.T, codesT.T
     inv = np.argsort(perm)
     return Q[:, inv], codes[:, inv], d_all, m_all
 
@@ -163,10 +191,17 @@ class GPTQ(Method):
         self.scheme, self.weights, self.act_order, self.search = scheme, weights, act_order, search
 
     def quantize(self, names: list[str], ws: list[np.ndarray], inputs: Inputs) -> tuple[list[np.ndarray], dict]:
+        # The matrices of a group share their input, hence the Hessian, and GPTQ treats rows
+        # independently (every update is per row, the order of columns comes from H alone): so they
+        # are quantized stacked, as one matrix: one inverse and Cholesky, one pass over the columns.
+        rows = np.cumsum([0] + [w.shape[0] for w in ws])
+        q, codes, d, m = gptq_quantize(np.concatenate(ws, axis=0) if len(ws) > 1 else ws[0], inputs.gram,
+                                       self.scheme, act_order=self.act_order, search=self.search)
         deq, packed = [], {}
-        for name, w in zip(names, ws):
-            q, codes, d, m = gptq_quantize(w, inputs.gram, self.scheme, act_order=self.act_order, search=self.search)
+        for i, (name, w) in enumerate(zip(names, ws)):
+            r = slice(rows[i], rows[i + 1])
             src = self.weights[name]
-            packed[name] = pack_gptq(name, self.scheme, tuple(w.shape), codes, d, m, src.kind, src.rope_interleaved)
-            deq.append(q)
+            packed[name] = pack_gptq(name, self.scheme, tuple(w.shape), codes[r], d[r],
+                                     None if m is None else m[r], src.kind, src.rope_interleaved)
+            deq.append(q[r])
         return deq, packed
