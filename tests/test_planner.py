@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -181,10 +182,15 @@ def _smollm2_plan(parts, T: int, fused: bool):
     from llamajet.graph.passes import FusionContext, fuse
     from llamajet.model.llama import build_graph
 
+    from llamajet.config import DEFAULT_ACT_OUTLIERS
+    from llamajet.graph.passes import outliers
+
     cfg, weights = parts
     g = build_graph(cfg, weights, 4096)
-    if fused:
-        fuse(g, FusionContext(act_int8=True))
+    if fused:  # and the default outlier channels (which ones does not change a byte of the plan)
+        fuse(g, FusionContext(act_int8=True, prequant_head=True))
+        chans = {p.name: np.arange(DEFAULT_ACT_OUTLIERS) for p, _, _ in outliers.quantized_inputs(g)}
+        outliers.apply(g, chans, columns=lambda w, c: np.zeros((w.shape[0], len(c)), np.float32))
     return g, plan_memory(g, {"T": T, "O": 1})
 
 

@@ -70,7 +70,9 @@ PYEOF
 PER_TIER="tests/test_memory.py tests/test_scheduler.py tests/test_soak.py tests/test_concurrency.py tests/test_api.py"
 ONCE="tests/test_kernels.py tests/test_fusion.py tests/test_kv_precision.py tests/test_planner.py tests/test_kquants.py
   tests/test_packed.py tests/test_bounds.py tests/test_loaders.py tests/test_quantize.py tests/test_block_manager.py
-  tests/test_fuzz_corpus.py"
+  tests/test_fuzz_corpus.py tests/test_outliers.py::test_norm_quantize_and_matmul_with_outlier_channels
+  tests/test_outliers.py::test_quantize_op_with_outlier_channels_split_over_threads
+  tests/test_outliers.py::test_outlier_operands_are_checked_at_the_boundary"
 status=0
 run() {  # tier, files...
   local tier=$1; shift

@@ -497,6 +497,10 @@ KERNELS = ("fast", "a16", "reference")
 # what float checkpoints' matrices become at load by default (RuntimeConfig.float_scheme)
 FLOAT_CHECKPOINT_SCHEME = "int8_g32"
 DEFAULT_MAX_MODEL_LEN = 4096  # KV memory grows with it; models may allow more
+MAX_ACT_OUTLIERS = 64  # channels per matmul input kept in float (RuntimeConfig.act_outliers)
+# 12: KL vs float activations 3.4e-3 -> 9.5e-4 on SmolLM2 (6 WikiText-2 windows; 8: 1.17e-3, 16: 1.03e-3,
+# 24: 8.1e-4), prefill 0.91x, decode unchanged within noise (benchmarks/default_path.py, docs/quantization.md)
+DEFAULT_ACT_OUTLIERS = 12
 DEFAULT_KV_CACHE_TOKENS = 8192  # default pool: at least this many tokens (or one full context)
 
 
@@ -569,6 +573,10 @@ class RuntimeConfig:
     weight_cache: str | None = _option(
         None, "a folder for GGUF weights in the kernels' layout: the first load of a .gguf writes them there "
         "(a saved llamajet model, as big as the file), later loads map them without repacking (default: off)")
+    act_outliers: int = _option(
+        DEFAULT_ACT_OUTLIERS, "W*A8 (kernels='fast'): the k input channels of largest magnitude of each quantized matmul "
+        "input (found by a short calibration pass at load) are kept out of the int8 activations and "
+        "added back as a float product (0: off)")
     block_size: int = _option(16, "token slots per KV block")
     enable_prefix_caching: bool = _option(True, "reuse the K/V of equal prompt prefixes across requests")
     # The block manager hands out blocks least-recently-freed first (so cached
@@ -589,6 +597,9 @@ class RuntimeConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 bad(name, "must be a positive integer or None")
+        v = self.act_outliers
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_ACT_OUTLIERS:
+            bad("act_outliers", f"must be an integer in 0..{MAX_ACT_OUTLIERS}")
         for name in ("block_size", "max_num_seqs", "max_tokens_per_step"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

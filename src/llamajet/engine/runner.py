@@ -32,7 +32,9 @@ from llamajet.formats.convert import prepare_weights
 from llamajet.formats.pending import materialize
 from llamajet.graph.ir import Graph
 from llamajet.graph.lower import KVLayout, lower
+from llamajet.engine import outliers as find_outliers
 from llamajet.graph.passes import FusionContext
+from llamajet.graph.passes import outliers as outlier_pass
 from llamajet.graph.passes import fuse as fuse_graph
 from llamajet.graph.planner import MemoryPlan, plan_memory
 from llamajet.loaders import LoadedModel, page_releaser
@@ -58,12 +60,17 @@ class CompiledGraph:
 
 
 def compile_graph(model: LoadedModel, cfg: RuntimeConfig,
-                  before_passes: Callable[[Graph], None] | None = None) -> CompiledGraph:
+                  before_passes: Callable[[Graph], None] | None = None,
+                  probe_ids: list[int] | None = None) -> CompiledGraph:
     """Weights as the kernels want them (formats/convert.py: GGUF blocks
     repacked, or RTN to cfg.quantize, on cfg's threads and tier), the
     architecture's graph (model/registry.py), and the fusion passes (fused
     weights stacked once, here; the parts no node reads are dropped).
-    `before_passes` sees the graph as built (e.g. `llamajet graph`'s summary)."""
+    `before_passes` sees the graph as built (e.g. `llamajet graph`'s summary).
+    With cfg.act_outliers (W*A8, fused), the fused graph first runs once over
+    `probe_ids` (engine/outliers.py: the probe text's tokens; made with the
+    model's tokenizer when not given) to find each int8 input's outlier
+    channels, which graph/passes/outliers.py then wires in."""
     release = page_releaser(model)
     weights = prepare_weights(model.weights, repack=cfg.repack, scheme=cfg.load_scheme,
                               float_scheme=cfg.float_scheme, isa=cfg.isa, release=release,
@@ -72,15 +79,25 @@ def compile_graph(model: LoadedModel, cfg: RuntimeConfig,
     if before_passes is not None:
         before_passes(graph)
     del weights  # the graph holds what it reads: the parts a pass stacked are dropped by it
-    log = fuse_graph(graph, FusionContext(act_int8=cfg.act_int8)) if cfg.fuse else []
+    outliers = cfg.act_outliers if cfg.act_int8 and cfg.fuse else 0
+    log = fuse_graph(graph, FusionContext(act_int8=cfg.act_int8, prequant_head=outliers > 0)) if cfg.fuse else []
     # the deferred GGUF repacks, each straight into its final (stacked) buffer,
     # the file's pages released tensor by tensor (formats/pending.py)
     graph.weights.update(materialize(graph.weights, cfg.n_threads, release=release))
+    if outliers:
+        if not probe_ids:
+            probe_ids = find_outliers.model_probe_ids(model)
+        isa, nth = ops.resolve_isa(cfg.isa), cfg.n_threads or ops.default_threads()
+        # at most one context of the probe text (the RoPE tables hold max_model_len positions)
+        absmax = find_outliers.input_absmax(graph, probe_ids[:cfg.max_model_len], isa=isa, n_threads=nth, max_pos=cfg.max_model_len,
+                                            block_size=cfg.block_size)
+        log += outlier_pass.apply(graph, find_outliers.choose(absmax, outliers),
+                                  columns=find_outliers.kernel_columns(isa, nth))
     return CompiledGraph(graph, log)
 
 
 class ModelRunner:
-    def __init__(self, model: LoadedModel, cfg: RuntimeConfig) -> None:
+    def __init__(self, model: LoadedModel, cfg: RuntimeConfig, probe_ids: list[int] | None = None) -> None:
         cfg = cfg.for_model(model.config)  # max_model_len resolved, and within the model's limit
         self.model = model
         self.runtime = cfg
@@ -97,7 +114,7 @@ class ModelRunner:
         # sized (and a too-small kv_cache_memory refused) before any weight is repacked
         kv_row = KVLayout.row_bytes_of(cfg.kv_dtype, model.config.num_kv_heads, model.config.head_dim)
         self.num_blocks = cfg.kv_blocks(2 * model.config.num_layers * kv_row)
-        compiled = compile_graph(model, cfg)
+        compiled = compile_graph(model, cfg, probe_ids=probe_ids)
         self.graph, self.fusion_log = compiled.graph, compiled.fusion_log
         # What the Program reads (after fusion: the stacked matrices, not their parts).
         self.weights = dict(self.graph.weights)

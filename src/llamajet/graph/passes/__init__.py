@@ -29,6 +29,9 @@ class FusionContext:
     """What the passes must know about how the graph will run."""
 
     act_int8: bool = True   # packed matmuls take int8 activations (W*A8)
+    # the LM head reads its input quantized by the final norm (quantize-on-write) instead of
+    # normalizing it in its prologue, so passes/outliers.py can give that input outlier channels
+    prequant_head: bool = False
 
 
 PASSES = ("qkv", "gate_up", "residual", "norm_head", "add_rmsnorm", "attn_quant", "ffn_quant")

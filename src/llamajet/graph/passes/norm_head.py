@@ -3,7 +3,9 @@ the LM-head matmul (each thread normalizes the few output rows itself before
 the input stage).
 
 Pattern: rmsnorm(x, w) -> n, matmul(n, W) -> logits, logits a graph output.
-Legality: n is read only by that matmul; the matmul has nothing fused yet.
+Legality: n is read only by that matmul; the matmul has nothing fused yet;
+not with FusionContext.prequant_head (the norm then quantizes on write, as
+every other norm, and the head reads that: passes/outliers.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from llamajet.graph.passes._match import only_consumer, plain_matmul
 
 def run(graph: Graph, ctx) -> list[str]:
     log = []
+    if getattr(ctx, "prequant_head", False):
+        return log
     for norm in [n for n in graph.nodes if n.op == "rmsnorm"]:
         nrm = norm.outputs["out"]
         mm = only_consumer(graph, nrm)

@@ -1,0 +1,155 @@
+"""Which input channels of the W*A8 matmuls are kept in float (RuntimeConfig.act_outliers).
+
+At load, the fused step graph runs once over a fixed calibration text
+(PROBE_TEXT, ours, in the package: nothing is read from outside) in a probe
+executor of its own (its own arena and a KV pool of that one sequence; the
+weights are the graph's, shared). The probe keeps every int8 input that
+graph/passes/outliers.py can rewrite as an output, and reads it back after
+the step: per channel, max |x| over the text's tokens (from the int8 codes
+times their group scales: the channels that matter are the large ones, which
+int8 holds to 1/254 of their size). Each input's k channels of largest max
+|x| are the list, sorted. The lists depend on the weights and the text only:
+the same for every step and batch, so a sequence's ids stay independent of
+what it is batched with.
+
+Why max |x| and not a model of the error: on SmolLM2-135M (2 WikiText-2
+windows, KL vs float activations), the top 8 by max |x| gave 1.18e-3 against
+1.27e-3 for a greedy choice by the modelled rounding error of each group
+(amax² times the weights' column norms); the outliers set the group scale
+whichever tokens they appear on, and max |x| finds exactly those.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+
+from llamajet import ops
+from llamajet.graph.ir import Graph
+from llamajet.graph.lower import KVLayout, lower
+from llamajet.graph.passes.outliers import quantized_inputs
+from llamajet.graph.planner import plan_memory
+
+PROBE_TOKENS = 128  # tokens of PROBE_TEXT the probe runs (BOS first when the model wants one)
+
+# Our own text, mixed in register (narrative, technical, dialogue, lists, numbers, code): the
+# channels it lights up are the model's, not the text's, but a varied text finds more of them.
+PROBE_TEXT = """The morning train left the valley at seven, and by the time it reached the coast the fog had
+lifted. Maria counted the stations on her fingers: four more, then the long tunnel, then home.
+"Did you bring the tickets?" her brother asked. "Of course," she said, and held them up.
+To configure the server, set the port to 8080, enable TLS, and restart the service with
+`systemctl restart web.service`. The log file is written to /var/log/web/access.log.
+Ingredients: 2 cups of flour, 1 teaspoon of salt, 3 eggs, 250 ml of milk. Whisk until smooth.
+In 1969, the first crewed landing on the Moon took place; the mission lasted eight days.
+def mean(xs):
+    return sum(xs) / len(xs) if xs else 0.0
+The committee's report found that revenue grew 12% year over year, while costs fell by 3%.
+Q: What is the boiling point of water at sea level? A: 100 degrees Celsius, or 212 Fahrenheit.
+Photosynthesis converts light energy into chemical energy stored in glucose molecules.
+She laughed, closed the book, and walked out into the rain without an umbrella."""
+
+
+def probe_ids(tokenizer, n: int = PROBE_TOKENS) -> list[int]:
+    """The first n tokens of PROBE_TEXT as the model reads it."""
+    ids = tokenizer.encode(PROBE_TEXT)
+    return ids[:n]
+
+
+def model_probe_ids(model, n: int = PROBE_TOKENS) -> list[int]:
+    """probe_ids with the model's own tokenizer (from its GGUF vocabulary, or the folder's
+    tokenizer files), for a runner built without one (LLM passes the ids of the tokenizer it has).
+    A model with no tokenizer (a bare GGUF, a folder of weights only: test fixtures, mostly)
+    gets n fixed pseudo-random ids of its vocabulary instead: the channels the probe finds are
+    the weights' (the same ones light up whatever the text), so any tokens find most of them."""
+    from llamajet.errors import TokenizerError
+    from llamajet.tokenizer import load_tokenizer, tokenizer_from_gguf
+
+    try:
+        tok = tokenizer_from_gguf(model.gguf_reader) if model.gguf_reader is not None else \
+            load_tokenizer(model.source)
+    except TokenizerError:
+        return np.random.default_rng(0).integers(0, model.config.vocab_size, n).tolist()
+    return probe_ids(tok, n)
+
+
+def input_absmax(graph: Graph, ids: list[int], *, isa: str, n_threads: int, max_pos: int,
+                 block_size: int = 16) -> dict[str, np.ndarray]:
+    """max |x| per channel of every int8 input graph/passes/outliers.py can rewrite (by producer
+    name), over one prefill step of `ids` in a probe executor."""
+    targets = quantized_inputs(graph)
+    if not targets:
+        return {}
+    T = len(ids)
+    probe = copy.copy(graph)
+    probe.outputs = list(graph.outputs) + [t for _, t, _ in targets]  # kept to the end of the step
+    # every row is an output row: the LM head's input (the final norm of the gathered rows) must be
+    # seen on every token, not on the last alone
+    plan = plan_memory(probe, {"T": T, "O": T})
+    blocks = math.ceil(T / block_size)
+    exe = ops.Executor(isa=isa, n_threads=n_threads, max_tokens=T, max_out=T, max_seqs=1, max_blocks=blocks,
+                       kv_slots=blocks * block_size, block_size=block_size, max_pos=max_pos, scratch_floats=0)
+    arena = exe.alloc_buffer(plan.arena_bytes)
+    kv_spec = next(n for n in graph.nodes if n.op == "kv_write").attrs
+    kv_heads, hd = kv_spec["kv_heads"], kv_spec["head_dim"]
+    layers = sum(1 for n in graph.nodes if n.op == "kv_write")
+    kvb = exe.alloc_buffer(KVLayout.nbytes(layers, blocks * block_size, kv_heads, hd, "f32"))
+    kv = KVLayout(kvb, blocks * block_size, kv_heads, hd, block_size, "f32")
+    lower(probe, plan, exe, arena, kv, defaults={"matmul": {"float_act": False}})
+    pos = np.arange(T, dtype=np.int32)
+    exe.run(np.asarray(ids, np.int32), pos, pos.copy(), np.zeros(T, np.int32),
+            np.arange(blocks, dtype=np.int32).reshape(1, blocks), pos.copy())
+    buf = exe.buffer(arena)
+    out = {}
+    for prod, t, _ in targets:
+        spec = probe.tensors[t]
+        n, g = spec.shape[-1], spec.group
+        kpad = -(-n // g) * g
+        ng = kpad // g
+        off = plan.offsets[t]
+        q = buf[off:off + T * kpad].view(np.int8).reshape(T, ng, g)
+        doff = off + -(-T * kpad // 64) * 64
+        dx = buf[doff:doff + 4 * T * ng].view(np.float32).reshape(T, ng)
+        x = np.abs(q.astype(np.float32) * dx[..., None]).reshape(T, kpad)[:, :n]
+        out[prod.name] = x.max(axis=0)
+    return out
+
+
+def choose(absmax: dict[str, np.ndarray], k: int) -> dict[str, np.ndarray]:
+    """Each input's k channels of largest max |x| (ties: the lower channel), ascending."""
+    out = {}
+    for name, a in absmax.items():
+        kk = min(k, len(a))
+        top = np.argsort(-a, kind="stable")[:kk]
+        out[name] = np.sort(top).astype(np.int32)
+    return out
+
+
+def kernel_columns(isa: str, n_threads: int):
+    """columns(w, cols) -> W[:, cols] [N, k] float32, from the kernels themselves: one
+    float-activation matmul of the weight with the k one-hot rows e_c (each output is
+    w_c * 1 plus zeros: the weight's dequantized value, exactly). One pass over the weight's
+    bytes, in C++, for any storage type the kernels run; no float copy of the matrix (a
+    whole-matrix dequantization took 0.7-1.8 s of SmolLM2's load, and 8B's matrices are 1000x)."""
+
+    def columns(w, cols) -> np.ndarray:
+        cols = np.asarray(cols, np.int64)
+        k, (N, K) = len(cols), w.shape
+        ex = ops.Executor(isa=isa, n_threads=n_threads, max_tokens=k, max_out=k, max_seqs=1, max_blocks=1,
+                          kv_slots=16, block_size=16, max_pos=1, scratch_floats=0)
+        xb, ob = ex.alloc_buffer(4 * k * K), ex.alloc_buffer(4 * k * N)
+        x = np.zeros((k, K), np.float32)
+        x[np.arange(k), cols] = 1.0
+        ex.buffer(xb).view(np.float32)[:] = x.ravel()
+        p = ops.OPS["matmul"]()
+        p.x = ops.Ref.in_buffer(xb, 0, ops.DType.F32, ops.ROWS_TOKENS, K)
+        p.w = ops.Ref.from_array(w.data, w.code, N, K, w.group)
+        p.out = ops.Ref.in_buffer(ob, 0, ops.DType.F32, ops.ROWS_TOKENS, N)
+        p.float_act = True
+        ex.add(p)
+        z = np.zeros(k, np.int32)
+        ex.run(z, z, z, z, np.zeros((1, 1), np.int32), np.zeros(0, np.int32))
+        return np.ascontiguousarray(ex.buffer(ob).view(np.float32).reshape(k, N).T)
+
+    return columns
