@@ -18,7 +18,7 @@ import numpy as np
 from llamajet.engine.async_engine import AsyncEngine
 from llamajet.config import RuntimeConfig
 from llamajet.engine.engine import Engine, StreamEvent
-from llamajet.engine.outliers import probe_ids
+from llamajet.engine.outliers import probe_ids, probe_tokens
 from llamajet.engine.runner import ModelRunner
 from llamajet.engine.sampling import SamplingParams
 from llamajet.engine.sequence import Sequence
@@ -97,7 +97,7 @@ class LLM:
         else:
             self.tokenizer = load_tokenizer(self.path)
         self.runtime = runtime.for_model(self.config)
-        probe = probe_ids(self.tokenizer) if self.runtime.act_outliers else None
+        probe = probe_ids(self.tokenizer, probe_tokens(self.model)) if self.runtime.act_outliers else None
         self.engine = Engine(ModelRunner(self.model, self.runtime, probe_ids=probe), self.tokenizer)
         if self.model.gguf_reader is not None and self.runtime.repack:
             release_file_pages(self.model)  # repacked: the file's pages are no longer read

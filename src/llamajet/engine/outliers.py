@@ -32,7 +32,13 @@ from llamajet.graph.lower import KVLayout, lower
 from llamajet.graph.passes.outliers import quantized_inputs
 from llamajet.graph.planner import plan_memory
 
-PROBE_TOKENS = 128  # tokens of PROBE_TEXT the probe runs (BOS first when the model wants one)
+# Tokens of PROBE_TEXT the probe runs: a prefill of them at load, so fewer on big models. On
+# SmolLM2-135M (20 WikiText-2 windows, benchmarks/default_path.py) 128 tokens gave KL 9.99e-4, 9.2e-4
+# on decode steps, 16 of 20 chat replies equal to float activations'; 32 tokens 9.93e-4, 1.09e-3, 15.
+# The probe of an 8B took 3.5 s at 128 tokens (its load 3.4 s without it): 32 there.
+PROBE_TOKENS = 128
+PROBE_TOKENS_LARGE = 32
+LARGE_MODEL_BYTES = 2 << 30  # weights' bytes from which a model is "large" here
 
 # Our own text, mixed in register (narrative, technical, dialogue, lists, numbers, code): the
 # channels it lights up are the model's, not the text's, but a varied text finds more of them.
@@ -57,7 +63,13 @@ def probe_ids(tokenizer, n: int = PROBE_TOKENS) -> list[int]:
     return ids[:n]
 
 
-def model_probe_ids(model, n: int = PROBE_TOKENS) -> list[int]:
+def probe_tokens(model) -> int:
+    """How many probe tokens `model` runs (PROBE_TOKENS, or PROBE_TOKENS_LARGE from LARGE_MODEL_BYTES)."""
+    size = sum(w.data.nbytes for w in model.weights.values())
+    return PROBE_TOKENS if size < LARGE_MODEL_BYTES else PROBE_TOKENS_LARGE
+
+
+def model_probe_ids(model, n: int | None = None) -> list[int]:
     """probe_ids with the model's own tokenizer (from its GGUF vocabulary, or the folder's
     tokenizer files), for a runner built without one (LLM passes the ids of the tokenizer it has).
     A model with no tokenizer (a bare GGUF, a folder of weights only: test fixtures, mostly)
@@ -70,8 +82,8 @@ def model_probe_ids(model, n: int = PROBE_TOKENS) -> list[int]:
         tok = tokenizer_from_gguf(model.gguf_reader) if model.gguf_reader is not None else \
             load_tokenizer(model.source)
     except TokenizerError:
-        return np.random.default_rng(0).integers(0, model.config.vocab_size, n).tolist()
-    return probe_ids(tok, n)
+        return np.random.default_rng(0).integers(0, model.config.vocab_size, n or probe_tokens(model)).tolist()
+    return probe_ids(tok, n or probe_tokens(model))
 
 
 def input_absmax(graph: Graph, ids: list[int], *, isa: str, n_threads: int, max_pos: int,

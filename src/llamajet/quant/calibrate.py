@@ -148,26 +148,42 @@ class Inputs:
     computed when a method first reads it."""
 
     def __init__(self, x: np.ndarray, gram: np.ndarray | None = None):
-        self.x = x.reshape(-1, x.shape[-1])
-        self.tokens = len(self.x)
-        a = np.abs(self.x)
-        self.mean = self.x.mean(0, dtype=np.float64)
+        self._x = x.reshape(-1, x.shape[-1])
+        self.tokens = len(self._x)
+        a = np.abs(self._x)
+        self.mean = self._x.mean(0, dtype=np.float64)
         self.absmean = a.mean(0, dtype=np.float64)
         self.absmax = a.max(0).astype(np.float64)
         rows = np.random.default_rng(0).permutation(self.tokens)[:SAMPLE]
-        self.sample = np.ascontiguousarray(self.x[np.sort(rows)])
+        self.sample = np.ascontiguousarray(self._x[np.sort(rows)])
         self._gram = gram
+        self._div = None  # divided(): _x stays the unsmoothed rows, the statistics are of _x / _div
+
+    @property
+    def x(self) -> np.ndarray:
+        """The rows [tokens, K] (of x / s for a divided one: made on request)."""
+        return self._x if self._div is None else (self._x / self._div).astype(np.float32)
 
     @property
     def gram(self) -> np.ndarray:
         if self._gram is None:
-            self._gram = _gram(self.x)
+            self._gram = _gram(self._x)  # _x is the unsmoothed input: then the smoothing's division
+            if self._div is not None:
+                self._gram /= np.outer(self._div, self._div)
         return self._gram
 
     def divided(self, s: np.ndarray) -> "Inputs":
-        """The statistics of x / s (a smoothing folded into the input's producer)."""
-        return Inputs((self.x / s).astype(np.float32),
-                      None if self._gram is None else self._gram / np.outer(s, s))
+        """The statistics of x / s (a smoothing folded into the input's producer), from this one's:
+        each is linear in 1 / s per channel (s > 0), so x / s itself is never made (at 65,536
+        tokens it was a copy of every smoothed input, 0.4 GB for down's)."""
+        out = object.__new__(Inputs)
+        s64 = np.asarray(s, np.float64)
+        out._x, out._div = self._x, s64 if self._div is None else self._div * s64
+        out.tokens = self.tokens
+        out.mean, out.absmean, out.absmax = self.mean / s64, self.absmean / s64, self.absmax / s64
+        out.sample = np.ascontiguousarray((self.sample / s).astype(np.float32))
+        out._gram = None if self._gram is None else self._gram / np.outer(s64, s64)
+        return out
 
 
 def output_error(dw: np.ndarray, gram: np.ndarray) -> float:
