@@ -12,6 +12,7 @@ import pytest
 from llamajet import LLM
 from llamajet.errors import RequestError
 from llamajet.formats import convert, saved
+from llamajet.engine import outliers, runner
 from llamajet.loaders import cache
 
 IDS = [1, 504, 3300, 42, 7, 900, 12, 5]
@@ -44,8 +45,13 @@ def test_first_load_writes_the_entry_and_later_loads_map_it(gguf_copy, plain_log
         raise AssertionError("a cached load must not repack or quantize")
     monkeypatch.setattr(convert, "deferred_twin", refuse)
     monkeypatch.setattr(convert.ops, "quantize_packed", refuse)
+    # nor runs the outlier probe: the first load kept the channels and columns it found in the entry
+    plans = list(entry.glob("outliers-*.npz"))
+    assert len(plans) == 1 and outliers.saved_plan(plans[0]) is not None
+    monkeypatch.setattr(runner.find_outliers, "input_absmax", refuse)
     second = LLM(gguf_copy, max_model_len=64, n_threads=2, kv_dtype="f32", weight_cache=str(root))
     assert second.cache_entry == entry and second.model.gguf_reader is None
+    assert any(l.startswith("outliers:") for l in second.engine.runner.fusion_log)
     np.testing.assert_array_equal(second.logits(IDS), plain_logits)
     # the tokenizer came from the entry's files and behaves as the GGUF's
     text = "Hello world! It's 2024: ünïcödé"
@@ -98,3 +104,14 @@ def test_options_that_change_the_weights_bypass_the_cache(gguf_copy, tmp_path):
 def test_weight_cache_option_is_checked():
     with pytest.raises(RequestError, match="weight_cache"):
         LLM(None, weight_cache="")
+
+
+def test_an_unreadable_outlier_plan_is_probed_again(gguf_copy, plain_logits, tmp_path):
+    root = tmp_path / "cache"
+    LLM(gguf_copy, max_model_len=64, n_threads=2, kv_dtype="f32", weight_cache=str(root))
+    (plan,) = cache.entry_path(root, gguf_copy).glob("outliers-*.npz")
+    plan.write_bytes(b"not an npz")
+    assert outliers.saved_plan(plan) is None
+    llm = LLM(gguf_copy, max_model_len=64, n_threads=2, kv_dtype="f32", weight_cache=str(root))
+    np.testing.assert_array_equal(llm.logits(IDS), plain_logits)
+    assert outliers.saved_plan(plan) is not None  # written again by that load

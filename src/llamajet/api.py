@@ -18,7 +18,10 @@ import numpy as np
 from llamajet.engine.async_engine import AsyncEngine
 from llamajet.config import RuntimeConfig
 from llamajet.engine.engine import Engine, StreamEvent
+from llamajet.engine.outliers import plan_file as outlier_plan_file
 from llamajet.engine.outliers import probe_ids, probe_tokens
+from llamajet.engine.outliers import save_plan as save_outlier_plan
+from llamajet.engine.outliers import saved_plan as saved_outlier_plan
 from llamajet.engine.runner import ModelRunner
 from llamajet.engine.sampling import SamplingParams
 from llamajet.engine.sequence import Sequence
@@ -98,7 +101,19 @@ class LLM:
             self.tokenizer = load_tokenizer(self.path)
         self.runtime = runtime.for_model(self.config)
         probe = probe_ids(self.tokenizer, probe_tokens(self.model)) if self.runtime.act_outliers else None
-        self.engine = Engine(ModelRunner(self.model, self.runtime, probe_ids=probe), self.tokenizer)
+        # a weight_cache entry keeps the outlier channels and columns its first load found: later
+        # loads skip the probe (engine/outliers.py; 3.6 s of an 8B's load)
+        plan_path = plan = None
+        if self.cache_entry is not None and probe is not None and self.runtime.act_int8 and self.runtime.fuse:
+            plan_path = outlier_plan_file(self.cache_entry, self.runtime.act_outliers, len(probe))
+            plan = saved_outlier_plan(plan_path)
+        runner = ModelRunner(self.model, self.runtime, probe_ids=probe, outlier_plan=plan)
+        if plan_path is not None and plan is None:
+            try:
+                save_outlier_plan(runner.graph, plan_path)
+            except OSError as e:
+                warnings.warn(f"weight_cache: cannot write {plan_path} ({e})", stacklevel=2)
+        self.engine = Engine(runner, self.tokenizer)
         if self.model.gguf_reader is not None and self.runtime.repack:
             release_file_pages(self.model)  # repacked: the file's pages are no longer read
         else:

@@ -165,3 +165,43 @@ def kernel_columns(isa: str, n_threads: int):
         return np.ascontiguousarray(ex.buffer(ob).view(np.float32).reshape(k, N).T)
 
     return columns
+
+
+# ---------------------------------------------------------------- kept with a weight_cache entry
+
+def plan_file(entry, k: int, n_probe: int):
+    """Where a weight_cache entry keeps the outlier channels and columns its loads found."""
+    from pathlib import Path
+
+    return Path(entry) / f"outliers-k{k}-p{n_probe}-v1.npz"
+
+
+def saved_plan(path) -> dict | None:
+    """The channels (by producer) and tiled columns (by weight) of a plan file, or None when it
+    is missing or unreadable (a load then probes again)."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            ocols = {n[len("ocols:"):]: z[n] for n in z.files if n.startswith("ocols:")}
+            ow = {n[len("ow:"):]: z[n] for n in z.files if n.startswith("ow:")}
+    except (OSError, ValueError, KeyError):
+        return None
+    return {"ocols": ocols, "ow": ow} if ocols else None
+
+
+def save_plan(graph: Graph, path) -> None:
+    """Writes the outlier channels and columns `graph` was given (graph/passes/outliers.py's
+    weights), through a temporary file and a rename: a reader never sees half a file."""
+    import os
+
+    arrays = {}
+    for name, w in graph.weights.items():
+        if name.endswith(".ocols"):
+            arrays["ocols:" + name[:-len(".ocols")]] = np.asarray(w.data)
+        elif name.endswith(".ow"):
+            arrays["ow:" + name[:-len(".ow")]] = np.asarray(w.data)
+    if not arrays:
+        return
+    tmp = str(path) + f".tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        np.savez(f, **arrays)
+    os.replace(tmp, path)

@@ -61,7 +61,7 @@ class CompiledGraph:
 
 def compile_graph(model: LoadedModel, cfg: RuntimeConfig,
                   before_passes: Callable[[Graph], None] | None = None,
-                  probe_ids: list[int] | None = None) -> CompiledGraph:
+                  probe_ids: list[int] | None = None, outlier_plan: dict | None = None) -> CompiledGraph:
     """Weights as the kernels want them (formats/convert.py: GGUF blocks
     repacked, or RTN to cfg.quantize, on cfg's threads and tier), the
     architecture's graph (model/registry.py), and the fusion passes (fused
@@ -70,7 +70,8 @@ def compile_graph(model: LoadedModel, cfg: RuntimeConfig,
     With cfg.act_outliers (W*A8, fused), the fused graph first runs once over
     `probe_ids` (engine/outliers.py: the probe text's tokens; made with the
     model's tokenizer when not given) to find each int8 input's outlier
-    channels, which graph/passes/outliers.py then wires in."""
+    channels, which graph/passes/outliers.py then wires in; `outlier_plan`
+    (saved_outliers' dict, from a weight_cache entry) gives both instead."""
     release = page_releaser(model)
     weights = prepare_weights(model.weights, repack=cfg.repack, scheme=cfg.load_scheme,
                               float_scheme=cfg.float_scheme, isa=cfg.isa, release=release,
@@ -84,7 +85,11 @@ def compile_graph(model: LoadedModel, cfg: RuntimeConfig,
     # the deferred GGUF repacks, each straight into its final (stacked) buffer,
     # the file's pages released tensor by tensor (formats/pending.py)
     graph.weights.update(materialize(graph.weights, cfg.n_threads, release=release))
-    if outliers:
+    if outliers and outlier_plan is not None:
+        log += outlier_pass.apply(graph, outlier_plan["ocols"], tiled=outlier_plan["ow"],
+                                  columns=find_outliers.kernel_columns(ops.resolve_isa(cfg.isa),
+                                                                       cfg.n_threads or ops.default_threads()))
+    elif outliers:
         if not probe_ids:
             probe_ids = find_outliers.model_probe_ids(model)
         isa, nth = ops.resolve_isa(cfg.isa), cfg.n_threads or ops.default_threads()
@@ -97,7 +102,8 @@ def compile_graph(model: LoadedModel, cfg: RuntimeConfig,
 
 
 class ModelRunner:
-    def __init__(self, model: LoadedModel, cfg: RuntimeConfig, probe_ids: list[int] | None = None) -> None:
+    def __init__(self, model: LoadedModel, cfg: RuntimeConfig, probe_ids: list[int] | None = None,
+                 outlier_plan: dict | None = None) -> None:
         cfg = cfg.for_model(model.config)  # max_model_len resolved, and within the model's limit
         self.model = model
         self.runtime = cfg
@@ -114,7 +120,7 @@ class ModelRunner:
         # sized (and a too-small kv_cache_memory refused) before any weight is repacked
         kv_row = KVLayout.row_bytes_of(cfg.kv_dtype, model.config.num_kv_heads, model.config.head_dim)
         self.num_blocks = cfg.kv_blocks(2 * model.config.num_layers * kv_row)
-        compiled = compile_graph(model, cfg, probe_ids=probe_ids)
+        compiled = compile_graph(model, cfg, probe_ids=probe_ids, outlier_plan=outlier_plan)
         self.graph, self.fusion_log = compiled.graph, compiled.fusion_log
         # What the Program reads (after fusion: the stacked matrices, not their parts).
         self.weights = dict(self.graph.weights)

@@ -69,10 +69,13 @@ def tile_columns(cols: np.ndarray) -> np.ndarray:
                                 .astype(np.float16))
 
 
-def apply(graph: Graph, channels: dict[str, np.ndarray], columns=weight_columns) -> list[str]:
+def apply(graph: Graph, channels: dict[str, np.ndarray], columns=weight_columns,
+          tiled: dict[str, np.ndarray] | None = None) -> list[str]:
     """Gives each quantized input named in `channels` (by its producer's node name) its outlier
     channels: ocols and xo on the producer, ow and xo on every reader. `columns(w, cols)` gives
-    W[:, cols] ([N, k] float32; default: from a float copy of the whole weight). Returns the log."""
+    W[:, cols] ([N, k] float32; default: from a float copy of the whole weight); `tiled` may hold
+    a reader's ow already (by its weight's name: a weight_cache entry's, api.py), used when its
+    shape fits. Returns the log."""
     log = []
     for prod, t, readers in quantized_inputs(graph):
         ch = channels.get(prod.name)
@@ -90,7 +93,9 @@ def apply(graph: Graph, channels: dict[str, np.ndarray], columns=weight_columns)
         prod.outputs["xo"] = xo
         for r in readers:
             w = graph.weights[r.inputs["w"]]
-            ow = tile_columns(columns(w, ch))
+            ow = (tiled or {}).get(r.inputs["w"])
+            if ow is None or ow.shape != (-(-w.shape[0] // ops.TILE) * k, ops.TILE) or ow.dtype != np.float16:
+                ow = tile_columns(columns(w, ch))
             r.inputs["ow"] = graph.weight(f"{r.inputs['w']}.ow", Weight(f"{r.inputs['w']}.ow", Kind.TABLE,
                                                                            FloatFormat("f16", np.float16),
                                                                            ow.shape, ow))
