@@ -58,10 +58,19 @@ test: setup $(CONVERTER)
 
 # Debian's clang for the coverage-guided build: installed when missing if this
 # is root on a machine with apt-get (CI); otherwise both runs use gcc and say so.
+# clang's sanitizer runtimes are a separate package (libclang-rt-N-dev, only a
+# Recommends of clang): a clang that cannot link -fsanitize=address,undefined
+# gets it too (a CI run on a fresh machine failed at that link without it).
+ASAN_PROBE = echo 'int main() { return 0; }' | clang++ -x c++ -fsanitize=fuzzer-no-link,address,undefined -o $(VENV)/asan-probe - > /dev/null 2>&1
 clang:
 	@command -v clang++ > /dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get > /dev/null && \
 	  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends clang; } \
 	  > $(VENV)/apt-clang.log 2>&1; } || echo "make: no clang++ and cannot install it: sanitize and fuzz use gcc"
+	@! command -v clang++ > /dev/null || $(ASAN_PROBE) || { [ "$$(id -u)" = 0 ] && command -v apt-get > /dev/null && \
+	  v=$$(clang++ --version | sed -n 's/.*clang version \([0-9][0-9]*\).*/\1/p' | head -n 1) && \
+	  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	    libclang-rt-$$v-dev; } >> $(VENV)/apt-clang.log 2>&1 && $(ASAN_PROBE); } || \
+	  { echo "make: clang++ cannot link the sanitizer runtimes and they cannot be installed"; exit 1; }
 
 sanitize: setup clang
 	PY=$(abspath $(BIN))/python bash tools/sanitize.sh
