@@ -270,3 +270,20 @@ def test_chat_replies_match_the_float_activation_path(three):
         out[n] = [o.token_ids for o in three[n].generate(ids, sp)]
     same = sum(a == b for a, b in zip(out["a16"], out["default"]))
     assert same >= 15, same
+
+
+def test_weight_columns_from_the_kernels_are_the_weights_values(three):
+    """kernel_columns (a float-activation matmul with one-hot rows, what the load uses) gives
+    W[:, cols] bit for bit as the weights' float copy does, on every packed matrix the default
+    graph runs (stacked q/k/v, tile-interleaved gate/up, down, the tied head)."""
+    from llamajet.engine.outliers import kernel_columns
+    from llamajet.graph.passes.outliers import weight_columns
+
+    cols = kernel_columns(ops.resolve_isa(None), 2)
+    seen = 0
+    for w in three["default"].engine.runner.graph.weights.values():
+        if w.packed:
+            c = np.array([0, 7, w.shape[1] // 2, w.shape[1] - 1])
+            np.testing.assert_array_equal(cols(w, c), weight_columns(w, c))
+            seen += 1
+    assert seen >= 3 * three["default"].config.num_layers + 1

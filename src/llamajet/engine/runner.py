@@ -85,19 +85,17 @@ def compile_graph(model: LoadedModel, cfg: RuntimeConfig,
     # the deferred GGUF repacks, each straight into its final (stacked) buffer,
     # the file's pages released tensor by tensor (formats/pending.py)
     graph.weights.update(materialize(graph.weights, cfg.n_threads, release=release))
-    if outliers and outlier_plan is not None:
-        log += outlier_pass.apply(graph, outlier_plan["ocols"], tiled=outlier_plan["ow"],
-                                  columns=find_outliers.kernel_columns(ops.resolve_isa(cfg.isa),
-                                                                       cfg.n_threads or ops.default_threads()))
-    elif outliers:
-        if not probe_ids:
-            probe_ids = find_outliers.model_probe_ids(model)
+    if outliers:
         isa, nth = ops.resolve_isa(cfg.isa), cfg.n_threads or ops.default_threads()
-        # at most one context of the probe text (the RoPE tables hold max_model_len positions)
-        absmax = find_outliers.input_absmax(graph, probe_ids[:cfg.max_model_len], isa=isa, n_threads=nth, max_pos=cfg.max_model_len,
-                                            block_size=cfg.block_size)
-        log += outlier_pass.apply(graph, find_outliers.choose(absmax, outliers),
-                                  columns=find_outliers.kernel_columns(isa, nth))
+        if outlier_plan is not None:  # kept by a weight_cache entry: no probe
+            channels, tiled = outlier_plan["ocols"], outlier_plan["ow"]
+        else:
+            # at most one context of the probe text (the RoPE tables hold max_model_len positions)
+            ids = (probe_ids or find_outliers.model_probe_ids(model))[:cfg.max_model_len]
+            absmax = find_outliers.input_absmax(graph, ids, isa=isa, n_threads=nth, max_pos=cfg.max_model_len,
+                                                block_size=cfg.block_size)
+            channels, tiled = find_outliers.choose(absmax, outliers), None
+        log += outlier_pass.apply(graph, channels, columns=find_outliers.kernel_columns(isa, nth), tiled=tiled)
     return CompiledGraph(graph, log)
 
 

@@ -255,8 +255,7 @@ def sequential(model, windows: list[list[int]], method: Method, progress: Callab
     receives the last layer's output [S, T, D] (for checking the forward)."""
     cfg, W = model.config, model.weights
     H, KV, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
-    cos, sin = ref.rope_tables(cfg.rope_inv_freq(), max(len(w) for w in windows))
-    cos32, sin32 = (t[:len(windows[0])].astype(np.float32) for t in (cos, sin))
+    cos32, sin32 = (t.astype(np.float32) for t in ref.rope_tables(cfg.rope_inv_freq(), len(windows[0])))
     h = _embed_rows(W["token_embd"], np.asarray(windows))  # [S, T, D]
     res = Calibrated()
 

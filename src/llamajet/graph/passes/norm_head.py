@@ -17,7 +17,7 @@ from llamajet.graph.passes._match import only_consumer, plain_matmul
 
 def run(graph: Graph, ctx) -> list[str]:
     log = []
-    if getattr(ctx, "prequant_head", False):
+    if ctx.prequant_head:
         return log
     for norm in [n for n in graph.nodes if n.op == "rmsnorm"]:
         nrm = norm.outputs["out"]

@@ -30,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from llamajet import ops
-from llamajet.formats.layout import FloatFormat
+from llamajet.formats.layout import FLOATS, FloatFormat
 from llamajet.formats.weight import Kind, Weight
 from llamajet.graph.ir import Graph, Node
 
@@ -97,11 +97,8 @@ def apply(graph: Graph, channels: dict[str, np.ndarray], columns=weight_columns,
             if ow is None or ow.shape != (-(-w.shape[0] // ops.TILE) * k, ops.TILE) or ow.dtype != np.float16:
                 ow = tile_columns(columns(w, ch))
             r.inputs["ow"] = graph.weight(f"{r.inputs['w']}.ow", Weight(f"{r.inputs['w']}.ow", Kind.TABLE,
-                                                                           FloatFormat("f16", np.float16),
-                                                                           ow.shape, ow))
+                                                                           FLOATS["f16"], ow.shape, ow))
             r.inputs["xo"] = xo
         log.append(f"outliers: {prod.name}: {k} channels in float for {', '.join(r.name for r in readers)}")
     graph.verify()
     return log
-
-
