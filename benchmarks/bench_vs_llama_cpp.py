@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from llamajet.config import RuntimeConfig
 from llamajet.eval.bench_latency import run
 
 if __name__ == "__main__":
@@ -18,4 +19,4 @@ if __name__ == "__main__":
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--vs-no-fuse", action="store_true")
     a = ap.parse_args()
-    print(run(a.model, a.threads, a.rounds, vs_llama_cpp=True, vs_no_fuse=a.vs_no_fuse))
+    print(run(a.model, RuntimeConfig(n_threads=a.threads), a.rounds, vs_llama_cpp=True, vs_no_fuse=a.vs_no_fuse))
