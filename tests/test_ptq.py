@@ -34,7 +34,14 @@ def test_awq_search_is_never_worse_than_no_scaling(name):
     w, x = _outlier_layer()
     inputs = Inputs(x)
     s, alpha, tried = awq_scales([w], inputs, scheme)
-    assert tried[0][0] == 0.0 and len(tried) == len(ALPHAS)  # α = 0 (s = 1) is one of the candidates
+    assert tried[0][0] == 0.0  # α = 0 (s = 1) is one of the candidates
+    assert alpha == min(tried, key=lambda t: t[1])[0] and len(tried) <= 13  # the coarse grid and 2 neighbours
+    _, alpha_full, tried_full = awq_scales([w], inputs, scheme, coarse=False)
+    assert len(tried_full) == len(ALPHAS)
+    # the coarse search lands on the full grid's α or a neighbour of it, never on a worse error than
+    # the coarse grid's best point (measured on this layer: the same α)
+    assert abs(alpha - alpha_full) <= ALPHAS[1] + 1e-12
+    assert min(e for _, e in tried) <= min(e for a, e in tried_full if round(a * 20) % 2 == 0)
     unscaled = output_error(w.astype(np.float64) - rtn_dequant(w, scheme), inputs.gram)
     np.testing.assert_allclose(tried[0][1], unscaled, rtol=1e-4)  # float32 traces in the search
     chosen = output_error(w - rtn_dequant((w * s).astype(np.float32), scheme) / s, inputs.gram)
@@ -57,6 +64,33 @@ def test_clip_search_is_rtn_without_shrinking_and_never_worse_with_it(name, k):
         e1 = np.einsum("nk,nk->n", (w[:, sl] - q[:, sl]) @ g[sl, sl], w[:, sl] - q[:, sl])
         e2 = np.einsum("nk,nk->n", (w[:, sl] - q2[:, sl]) @ g[sl, sl], w[:, sl] - q2[:, sl])
         assert np.all(e2 <= e1 * (1 + 1e-5))
+
+
+@pytest.mark.parametrize("k,g", [(256, 128), (200, 64), (96, 32)])
+def test_gram_blocks_are_the_diagonal_blocks_of_2xtx(k, g):
+    """Inputs.gram_blocks against numpy float64 2 XᵀX: computed alone, sliced from an existing Gram, and
+    for divided inputs (x / s, whose Gram is G / s sᵀ); a partial last group is zero-padded."""
+    _, x = _outlier_layer(k=k, t=2048)
+    s = np.random.default_rng(3).uniform(0.5, 2.0, k)
+    for inputs, xr in ((Inputs(x), x.astype(np.float64)), (Inputs(x).divided(s), x / s)):
+        ref = 2.0 * xr.T @ xr
+        alone = inputs.gram_blocks(g)  # before the Gram exists: computed block by block
+        assert inputs._gram is None  # gram_blocks did not make the whole Gram
+        sliced = inputs.gram_blocks(g) if inputs.gram is not None else None  # now sliced from the Gram
+        for blocks in (alone, sliced):
+            assert blocks.shape == (-(-k // g), g, g)
+            for i in range(blocks.shape[0]):
+                c = slice(i * g, min((i + 1) * g, k))
+                n = c.stop - c.start
+                # float32 products of 2,048 rows: relative error ~1e-6 of the block's scale
+                np.testing.assert_allclose(blocks[i, :n, :n], ref[c, c], rtol=1e-4, atol=1e-5 * np.abs(ref).max())
+                assert not blocks[i, n:].any() and not blocks[i, :, n:].any()
+    w, _ = _outlier_layer(k=k, t=8)
+    inputs, scheme = Inputs(x), get_scheme(f"int4_sym_g{g}")
+    # the clipping search reads only these blocks: the same result from them as from the whole Gram
+    whole = clip_search(w, inputs.gram, scheme)
+    for a, b in zip(clip_search(w, inputs.gram_blocks(g), scheme), whole):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_smoothquant_keeps_the_float_product_and_lowers_the_w8a8_error():

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llamajet.formats.packed import rtn_dequant, rtn_scales
+from llamajet.formats.packed import rtn_scales
 from llamajet.quant.calibrate import Inputs, Method, output_error
 from llamajet.quant.gptq import pack_gptq, round_to
 
@@ -38,52 +38,113 @@ ALPHAS = np.linspace(0.0, 1.0, 21)
 CLIPS = np.linspace(1.0, 0.5, 21)
 
 
-def awq_scales(ws: list[np.ndarray], inputs: Inputs, scheme, alphas=ALPHAS) -> tuple[np.ndarray, float, list]:
-    """(s, the chosen α, [(α, output error)] for every α tried)."""
-    W = np.concatenate([np.asarray(w, np.float64) for w in ws])
+def _rtn32(x: np.ndarray, scheme) -> np.ndarray:
+    """float32 values RTN gives the groups of x [..., g] (float32): the searches' candidates. The
+    rule of formats/packed.py (rtn_scales, fp16 scales); float32 products of a code and an fp16
+    scale are exact (sym, int8), the asym d c + m is one rounding: ample for ranking candidates."""
+    d, m = rtn_scales(x, scheme)
+    d32 = d.astype(np.float32)[..., None]
+    inv = np.divide(np.float32(1), d32, out=np.zeros_like(d32), where=d32 != 0)
+    if scheme.bits == 4 and scheme.symmetric:
+        c = np.rint(x * inv)
+        np.clip(c, -8, 7, out=c)
+        return c * d32
+    if scheme.bits == 4:
+        m32 = m.astype(np.float32)[..., None]
+        c = np.rint((x - m32) * inv)
+        np.clip(c, 0, 15, out=c)
+        c *= d32
+        c += m32
+        return c
+    c = np.rint(x * inv)
+    np.clip(c, -127, 127, out=c)
+    return c * d32
+
+
+def _alpha_error(W: np.ndarray, x: np.ndarray, a: float, G: np.ndarray, scheme) -> tuple[np.ndarray, float]:
+    """(s, ||(W - Ŵ(α)) Xᵀ||²) for one α (float32 throughout: the trace compares candidates)."""
+    s = x ** a
+    s = (s / np.sqrt(s.max() * s.min())).astype(np.float32)
+    N, K = W.shape
+    g = scheme.group_for(K)
+    ng = -(-K // g)
+    Ws = W * s
+    if ng * g != K:  # whole groups, the last column repeated (the packing's rule)
+        Ws = np.concatenate([Ws, np.repeat(Ws[:, -1:], ng * g - K, axis=1)], axis=1)
+    q = _rtn32(Ws.reshape(N, ng, g), scheme).reshape(N, -1)[:, :K]
+    q /= s
+    np.subtract(W, q, out=q)
+    return s, output_error(q, G)
+
+
+def awq_scales(ws: list[np.ndarray], inputs: Inputs, scheme, alphas=ALPHAS, coarse: bool = True
+               ) -> tuple[np.ndarray, float, list]:
+    """(s, the chosen α, [(α, output error)] for every α tried, in α order). coarse: every other α
+    of the grid first (0, 0.1, .., 1), then the two neighbours of the best of those (13 of the 21
+    traces, each N K² multiply-adds: the search's cost); the error is smooth in α, so this lands
+    on the full grid's choice or next to it (α = 0 is always tried: never worse than s = 1)."""
+    W = np.concatenate([np.asarray(w, np.float32) for w in ws])
     G = inputs.gram.astype(np.float32)  # the errors compare candidates: float32 traces are ample
     x = np.maximum(inputs.absmean, 1e-6 * max(float(inputs.absmean.max()), 1e-30))
-    tried, best = [], None
-    for a in alphas:
-        s = x ** a
-        s = s / np.sqrt(s.max() * s.min())
-        q = rtn_dequant((W * s).astype(np.float32), scheme) / s
-        e = output_error((W - q).astype(np.float32), G)
-        tried.append((float(a), e))
-        if best is None or e < best[1]:
-            best = (s, e, float(a))
-    return best[0], best[2], tried
+    done: dict[int, tuple[np.ndarray, float]] = {}
+
+    def at(i):
+        if i not in done:
+            done[i] = _alpha_error(W, x, float(alphas[i]), G, scheme)
+        return done[i][1]
+
+    first = range(0, len(alphas), 2) if coarse else range(len(alphas))
+    best = min(first, key=at)
+    if coarse:
+        best = min([best] + [j for j in (best - 1, best + 1) if 0 <= j < len(alphas)], key=lambda i: (at(i), i))
+    tried = [(float(alphas[i]), done[i][1]) for i in sorted(done)]
+    return done[best][0].astype(np.float64), float(alphas[best]), tried
 
 
 def clip_search(w: np.ndarray, gram: np.ndarray, scheme, clips=CLIPS):
     """Codes [N, K], scales d and mins m [N, n_groups] (fp16), and the dequantized values,
     with each row's range per group shrunk by the factor of least output error on that group.
-    All groups at once: the columns are padded to whole groups by repeating the last one (the
-    packing's rule, so a group's statistics are its real columns'), with no weight in the Gram."""
+    `gram`: the Gram [K, K], or only its diagonal blocks [n_groups, g, g] (Inputs.gram_blocks:
+    all this reads). All groups at once: the columns are padded to whole groups by repeating the
+    last one (the packing's rule, so a group's statistics are its real columns'), with no weight
+    in the Gram. The search ranks the factors in float32 and keeps only each group's best index;
+    the codes are made once, for the chosen factors, by the packing's own rounding (round_to)."""
     W = np.asarray(w, np.float64)
     N, K = W.shape
     g = scheme.group_for(K)
     ng = -(-K // g)
     Wp = np.concatenate([W, np.repeat(W[:, -1:], ng * g - K, axis=1)], axis=1).reshape(N, ng, g)
-    Gp = np.zeros((ng * g, ng * g), np.float32)
-    Gp[:K, :K] = gram
-    Gb = np.stack([Gp[i * g:(i + 1) * g, i * g:(i + 1) * g] for i in range(ng)])  # [ng, g, g]
-    best_e = codes = Q = d_all = m_all = None
-    for f in clips:
-        d, m = rtn_scales((Wp * f).astype(np.float32), scheme)  # [N, ng]
-        c, q = round_to(Wp, d[..., None], None if m is None else m[..., None], scheme)
-        dx = (Wp - q).astype(np.float32).transpose(1, 0, 2)  # [ng, N, g]
-        e = np.einsum("gnk,gnk->ng", dx @ Gb, dx)
+    if gram.ndim == 3:
+        Gb = np.asarray(gram, np.float32)
+    else:
+        Gp = np.zeros((ng * g, ng * g), np.float32)
+        Gp[:K, :K] = gram
+        Gb = np.stack([Gp[i * g:(i + 1) * g, i * g:(i + 1) * g] for i in range(ng)])  # [ng, g, g]
+    clips = np.asarray(clips, np.float64)
+    W32 = np.ascontiguousarray(Wp.astype(np.float32).transpose(1, 0, 2))  # [ng, N, g]
+    best_e, best_i = None, np.zeros((ng, N), np.int64)
+    for i, f in enumerate(clips):
+        d, m = rtn_scales((Wp * f).astype(np.float32).transpose(1, 0, 2), scheme)  # [ng, N]
+        d32 = d.astype(np.float32)[..., None]
+        inv = np.divide(np.float32(1), d32, out=np.zeros_like(d32), where=d32 != 0)
+        if scheme.bits == 4 and scheme.symmetric:
+            dx = np.clip(np.rint(W32 * inv), -8, 7) * d32
+        elif scheme.bits == 4:
+            m32 = m.astype(np.float32)[..., None]
+            dx = np.clip(np.rint((W32 - m32) * inv), 0, 15) * d32 + m32
+        else:
+            dx = np.clip(np.rint(W32 * inv), -127, 127) * d32
+        np.subtract(W32, dx, out=dx)
+        e = np.einsum("gnk,gnk->gn", dx @ Gb, dx)
         if best_e is None:
-            best_e, codes, Q, d_all, m_all = e, c, q, d, m
+            best_e = e
             continue
-        better = e < best_e
+        better = e < best_e  # strictly: a row keeps the plain rule unless a shrink is better
         best_e = np.where(better, e, best_e)
-        codes = np.where(better[..., None], c, codes)
-        Q = np.where(better[..., None], q, Q)
-        d_all = np.where(better, d, d_all)
-        if m is not None:
-            m_all = np.where(better, m, m_all)
+        best_i[better] = i
+    F = clips[best_i.T]  # [N, ng]
+    d_all, m_all = rtn_scales((Wp * F[..., None]).astype(np.float32), scheme)  # each group as at its factor
+    codes, Q = round_to(Wp, d_all[..., None], None if m_all is None else m_all[..., None], scheme)
     return (codes.reshape(N, -1)[:, :K].astype(np.int16), d_all, m_all, Q.reshape(N, -1)[:, :K])
 
 
@@ -103,7 +164,8 @@ class AWQ(Method):
         deq, packed = [], {}
         clips = CLIPS if self.clip else CLIPS[:1]
         for name, w in zip(names, ws):
-            codes, d, m, q = clip_search(w, inputs.gram, self.scheme, clips)
+            blocks = inputs.gram_blocks(self.scheme.group_for(w.shape[1]))  # the o / down Grams are never made
+            codes, d, m, q = clip_search(w, blocks, self.scheme, clips)
             src = self.weights[name]
             packed[name] = pack_gptq(name, self.scheme, tuple(w.shape), codes, d, m, src.kind, src.rope_interleaved)
             deq.append(q)
