@@ -10,6 +10,7 @@ model runs the same bytes through the same kernels as the in-memory path.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,13 +20,14 @@ import pytest
 
 from llamajet import LLM
 from llamajet.errors import LlamajetError, ModelFormatError
+from llamajet.engine import outliers, runner
 from llamajet.formats import convert
 from llamajet.formats.convert import prepare_weights
 from llamajet.formats.gguf_blocks import repack_gguf
 from llamajet.formats.packed import quantize_rtn
 from llamajet.formats.saved import META_FILE, WEIGHTS_FILE
 from llamajet.loaders import load_model
-from llamajet.quant.quantize import quantize_model
+from llamajet.quant.quantize import quantize_model, write_outlier_plan
 from llamajet.tokenizer import load_tokenizer, tokenizer_from_gguf
 
 WIKITEXT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "corpora" / "wikitext-2-raw-test.txt"
@@ -97,6 +99,39 @@ def test_gguf_keep_gives_bit_identical_logits_and_tokens(smollm2_gguf, smol_save
     ids = a.chat_ids(msgs)[:40]
     # Same packed bytes, same kernels, same ISA and threads: identical to the last bit.
     np.testing.assert_array_equal(b.logits(ids), a.logits(ids))
+
+
+def test_a_saved_model_keeps_its_outlier_plan_and_loads_without_probing(smol_saved, tmp_path, monkeypatch):
+    """quantize_model probes the saved model once and keeps the plan in the folder; a load maps it and
+    runs no probe, with the same logits as a load that probes (the plan is what the probe finds)."""
+    out, _ = smol_saved
+    (plan,) = out.glob("outliers-k*-p*-v1.npz")
+    assert outliers.saved_plan(plan) is not None
+    probed_copy = tmp_path / "noplan"
+    shutil.copytree(out, probed_copy)
+    (probed_copy / plan.name).unlink()
+    probed = LLM(probed_copy, max_model_len=256, n_threads=2)
+    assert probed.outlier_plan_path is None  # a load does not write into a model folder
+    assert not list(probed_copy.glob("outliers-*.npz"))
+
+    def refuse(*a, **k):
+        raise AssertionError("a saved model with a plan must not probe")
+    monkeypatch.setattr(runner.find_outliers, "input_absmax", refuse)
+    mapped = LLM(out, max_model_len=256, n_threads=2)
+    assert mapped.outlier_plan_path == plan
+    assert any(l.startswith("outliers:") for l in mapped.engine.runner.fusion_log)
+    ids = [1, 504, 3300, 42, 7, 900, 12, 5]
+    np.testing.assert_array_equal(mapped.logits(ids), probed.logits(ids))
+    # a plan for another channel count, or found by a shorter probe (a context shorter than the
+    # probe text), is not this one: those loads probe (and are refused here)
+    for other in ({"act_outliers": 8}, {"max_model_len": 64}):
+        with pytest.raises(AssertionError, match="must not probe"):
+            LLM(out, **{"max_model_len": 256, "n_threads": 2, **other})
+    # quantizing again into the folder removes the old plan before writing the new one
+    stale = out / "outliers-k3-p7-v1.npz"
+    stale.write_bytes(b"not a plan")
+    monkeypatch.undo()
+    assert write_outlier_plan(out) == plan and not stale.exists()
 
 
 def test_saved_weights_are_views_of_the_mapped_file(smol_saved, monkeypatch):

@@ -26,6 +26,7 @@ from llamajet.engine.runner import ModelRunner
 from llamajet.engine.sampling import SamplingParams
 from llamajet.engine.sequence import Sequence
 from llamajet.errors import RequestError
+from llamajet.formats.saved import META_FILE
 from llamajet.loaders import cache as weight_cache
 from llamajet.loaders import load_model
 from llamajet.loaders.gguf import release_file_pages, trim_heap
@@ -100,19 +101,28 @@ class LLM:
         else:
             self.tokenizer = load_tokenizer(self.path)
         self.runtime = runtime.for_model(self.config)
-        probe = probe_ids(self.tokenizer, probe_tokens(self.model)) if self.runtime.act_outliers else None
-        # a weight_cache entry keeps the outlier channels and columns its first load found: later
-        # loads skip the probe (engine/outliers.py; 3.6 s of an 8B's load)
+        # at most one context of the probe text (compile_graph's limit), so the plan's name says how
+        # many tokens found it: a load with a shorter context probes less and is another plan
+        probe = (probe_ids(self.tokenizer, probe_tokens(self.model))[:self.runtime.max_model_len]
+                 if self.runtime.act_outliers else None)
+        # a weight_cache entry, and a model saved by `llamajet quantize`, keep the outlier channels
+        # and columns of the first load that probed: later loads skip the probe (engine/outliers.py;
+        # 3.6 s of an 8B's load). A cache entry writes its plan then; a saved folder gets its plan
+        # from quantize_model (engine/outliers.write_saved_plan: a load never writes into a model folder).
+        saved_folder = self.path.is_dir() and (self.path / META_FILE).is_file()
+        plan_root = self.cache_entry if self.cache_entry is not None else self.path if saved_folder else None
         plan_path = plan = None
-        if self.cache_entry is not None and probe is not None and self.runtime.act_int8 and self.runtime.fuse:
-            plan_path = outlier_plan_file(self.cache_entry, self.runtime.act_outliers, len(probe))
+        if plan_root is not None and probe is not None and self.runtime.act_int8 and self.runtime.fuse:
+            plan_path = outlier_plan_file(plan_root, self.runtime.act_outliers, len(probe))
             plan = saved_outlier_plan(plan_path)
         runner = ModelRunner(self.model, self.runtime, probe_ids=probe, outlier_plan=plan)
-        if plan_path is not None and plan is None:
+        #: the file this load's outlier plan came from (None: probed, or no outlier channels)
+        self.outlier_plan_path = plan_path if plan is not None else None
+        if plan_path is not None and plan is None and self.cache_entry is not None:
             try:
                 save_outlier_plan(runner.graph, plan_path)
             except OSError as e:
-                warnings.warn(f"weight_cache: cannot write {plan_path} ({e})", stacklevel=2)
+                warnings.warn(f"cannot write {plan_path} ({e})", stacklevel=2)
         self.engine = Engine(runner, self.tokenizer)
         if self.model.gguf_reader is not None and self.runtime.repack:
             release_file_pages(self.model)  # repacked: the file's pages are no longer read

@@ -178,6 +178,29 @@ def _bias_config(model: LoadedModel):
     return dataclasses.replace(model.config, attention_bias=True, mlp_bias=True)
 
 
+def write_outlier_plan(folder: str | Path) -> Path | None:
+    """Probes the saved model in `folder` once, as the default runtime's load would, and keeps its
+    outlier channels and columns there (engine/outliers.py), so `LLM(folder)` maps them and skips
+    the probe; any older plan files there are removed first (they belong to the weights that were
+    in the folder before). Returns the plan's path, or None when the default runtime runs this model
+    with no outlier channels (float activations, or a scheme with no int8 path)."""
+    from llamajet.config import RuntimeConfig
+    from llamajet.engine import outliers
+    from llamajet.engine.runner import compile_graph
+
+    folder = Path(folder)
+    for old in folder.glob("outliers-k*-p*-v*.npz"):
+        old.unlink()
+    model = load_model(folder)
+    cfg = RuntimeConfig().for_model(model.config)
+    if not (cfg.act_outliers and cfg.act_int8 and cfg.fuse):
+        return None
+    ids = outliers.probe_ids(load_tokenizer(folder), outliers.probe_tokens(model))[:cfg.max_model_len]
+    path = outliers.plan_file(folder, cfg.act_outliers, len(ids))
+    outliers.save_plan(compile_graph(model, cfg, probe_ids=ids).graph, path)
+    return path if path.is_file() else None
+
+
 def quantize_model(src: str | Path, out: str | Path, scheme: str, force: bool = False, method: str = "rtn",
                    calib: str | Path | None = None, calib_seqs: int = 128, calib_len: int = 512,
                    act_order: bool = False, embed_scheme: str | None = None, scale_search: bool = True,
@@ -260,6 +283,7 @@ def quantize_model(src: str | Path, out: str | Path, scheme: str, force: bool = 
     saved.write_meta(out, config, entries, scheme=scheme if label == "rtn" else f"{scheme}+{label}",
                      source=src.name, **extra)
     load_model(out)  # the folder must load: headers, sizes, config (maps, reads no weight bytes)
+    write_outlier_plan(out)
 
     counts: dict[str, int] = {}
     for _, what in plans:
@@ -271,4 +295,4 @@ def quantize_model(src: str | Path, out: str | Path, scheme: str, force: bool = 
     return summary
 
 
-__all__ = ["quantize_model", "check_scheme", "QuantizeSummary", "KEEP", "LOSSLESS", "METHODS"]
+__all__ = ["quantize_model", "write_outlier_plan", "check_scheme", "QuantizeSummary", "KEEP", "LOSSLESS", "METHODS"]
