@@ -73,7 +73,9 @@ def main(a) -> int:
     if not text_path.is_file():
         raise SystemExit(f"llamajet eval: --text {a.text}: no such file")
     base = runtime_config(a, max_model_len=a.ctx, kv_cache_tokens=a.ctx)
-    configs: dict[str, tuple] = {"float": (a.model, {"kernels": "reference", "quantize": "none"})}
+    # the reference is the float model: float weights, float activations and an fp32 KV cache (the
+    # other configurations keep the KV dtype they run with, so its rounding is part of their KL)
+    configs: dict[str, tuple] = {"float": (a.model, {"kernels": "reference", "quantize": "none", "kv_dtype": "f32"})}
     configs["default"] = (a.model, {})
     for s in [x for x in (a.scheme or "").split(",") if x]:
         configs[s] = (a.model, {"quantize": s})
