@@ -151,3 +151,24 @@ def test_scale_search_is_never_worse_than_the_rtn_rule(name):
     assert np.all(err[True] <= err[False])
     if scheme.bits == 4:  # 16 levels: clipping the heavy tail pays (at 8 bits here it never does)
         assert err[True].sum() < err[False].sum()
+
+
+@pytest.mark.parametrize("name", ["int4_sym_g128", "int4_asym_g32"])
+def test_weighted_scale_search_minimises_the_weighted_error(name):
+    """With column weights h (GPTQ's diag H), each row keeps the factor of least sum_j h_j (x_j - q_j)^2:
+    never worse than the plain rule, nor than the unweighted search's choice, in that error; and the
+    weights matter (columns of large h are rounded finer than the unweighted choice leaves them)."""
+    from llamajet.quant.gptq import group_params, round_to
+
+    scheme = get_scheme(name)
+    rng = np.random.default_rng(6)
+    g = scheme.group_for(128)
+    x = rng.standard_t(3, size=(40, g))
+    h = np.where(rng.random(g) < 0.1, 50.0, 1.0) * rng.uniform(0.5, 1.5, g)  # a few salient input channels
+    err = {}
+    for key, (search, w) in {"rule": (False, None), "plain": (True, None), "weighted": (True, h)}.items():
+        d, m = group_params(x, scheme, search, w)
+        _, q = round_to(x, d[:, None], None if m is None else m[:, None], scheme)
+        err[key] = ((x - q) ** 2) @ h
+    assert np.all(err["weighted"] <= err["rule"]) and np.all(err["weighted"] <= err["plain"])
+    assert err["weighted"].sum() < err["plain"].sum()

@@ -14,7 +14,7 @@ Damping adds 1% of the mean diagonal to H (dead inputs, whose diagonal is
 
 Groups: each group of `g` columns gets its scale (and min) by the scheme's
 own RTN rule (or, with `search`, that rule's range shrunk by the factor of
-least rounding error) (formats/packed.py: sym: the largest-magnitude value maps to
+least rounding error, each column weighted by H_jj: group_params) (formats/packed.py: sym: the largest-magnitude value maps to
 code -8; asym: [min, max] over 15 steps; both fp16), computed when the
 group's first column is reached, from the columns as GPTQ has updated them.
 act_order (quantize columns by decreasing H_jj, the most salient first)
@@ -38,11 +38,18 @@ from llamajet.quant.calibrate import Inputs, Method
 SHRINK = np.linspace(1.0, 0.7, 13)  # range shrink factors the scale search tries
 
 
-def group_params(x: np.ndarray, scheme: QuantScheme, search: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+def group_params(x: np.ndarray, scheme: QuantScheme, search: bool = False,
+                 h: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """fp16 scale d (and min m) of each row of x [N, g] by the scheme's RTN
     rule; with `search`, the rule's range shrunk by the factor (1 .. 0.7)
-    whose rounding error sum (x - q)^2 is least, row by row (clipping a few
-    outliers buys finer steps for the rest)."""
+    whose rounding error sum_j h_j (x_j - q_j)^2 is least, row by row
+    (clipping a few outliers buys finer steps for the rest). h: each
+    column's weight, GPTQ's diag(H) = 2 sum x_j^2 over the calibration
+    tokens (the output error a column's rounding alone causes); None: 1.
+    Weighting by H was measured on SmolLM2 int4_sym_g128 act-order (64 x 512
+    calibration, 8 WikiText-2 windows): PPL 36.47 -> 34.60, KL 0.203 ->
+    0.178 against the unweighted error; the whole block's error
+    Δ H_gg Δᵀ (AWQ's clip criterion) gave 34.93 / 0.172, at more cost."""
     if not search:
         return rtn_scales(x, scheme)
     x64 = np.asarray(x, np.float64)
@@ -50,7 +57,7 @@ def group_params(x: np.ndarray, scheme: QuantScheme, search: bool = False) -> tu
     for f in SHRINK:
         d, m = rtn_scales(x64 * f, scheme)
         _, q = round_to(x64, d[:, None], None if m is None else m[:, None], scheme)
-        e = ((x64 - q) ** 2).sum(axis=-1)
+        e = ((x64 - q) ** 2).sum(axis=-1) if h is None else ((x64 - q) ** 2 @ h)
         if best_e is None:
             best_d, best_m, best_e = d, m, e
             continue
@@ -94,9 +101,10 @@ def gptq_quantize(w: np.ndarray, hessian: np.ndarray, scheme: QuantScheme, block
     W[:, dead] = 0.0
     d_all = np.zeros((N, ng), F16)
     m_all = None if scheme.symmetric else np.zeros((N, ng), F16)
+    hd = np.diag(H).copy()  # each column's weight in the scale search (dead columns: 1, their values 0)
     if act_order:  # static groups from the original weights (see the module docstring)
         for gi in range(ng):
-            d, m = group_params(W[:, gi * g:(gi + 1) * g], scheme, search)
+            d, m = group_params(W[:, gi * g:(gi + 1) * g], scheme, search, hd[gi * g:(gi + 1) * g])
             d_all[:, gi] = d
             if m_all is not None:
                 m_all[:, gi] = m
@@ -141,7 +149,7 @@ def gptq_quantize(w: np.ndarray, hessian: np.ndarray, scheme: QuantScheme, block
             if not act_order and col % g == 0:  # a new group: its scales from the updated columns
                 cols = (np.concatenate([W1[i:i + g], WT[b1:b0 + i + g]], axis=0)
                         if i + g > b1 - b0 else W1[i:i + g])
-                set_group(gi, *group_params(np.ascontiguousarray(cols.T), scheme, search))
+                set_group(gi, *group_params(np.ascontiguousarray(cols.T), scheme, search, hd[col:col + g]))
             w_i, df, mf = W1[i], df_all[gi], mf_all[gi]
             # round_to: codes rint(w / d) (+ 8), or rint((w - m) / d), clipped; values d (c - 8), d c + m, d c
             np.multiply(w_i - mf if asym4 else w_i, inv_all[gi], out=c)
