@@ -14,11 +14,11 @@ calibrated on other sampled stories.
 Rows: float; W8A16 per channel; W8A8 per token (int8_pc, int8 activations
 with one scale per row) RTN and SmoothQuant; INT4 g128 RTN sym and asym;
 GPTQ g128 sym (without and with act-order), asym (act-order); AWQ g128 sym
-and asym; GPTQ g128 + bias correction; INT4 g16 asym RTN; W4A8 g32 (the
-default path: the model's Q4_1 as is for SmolLM2, int4_sym_g32 RTN for
-stories); QAT INT4 g128. INT4 rows keep the embedding/head at int8_g32 on
-SmolLM2 (--embed-scheme; the 'all int4' row shows why). Weight-only rows run
-the float-activation kernels (a16), so the weights' error is what they show;
+and asym; AWQ's scales then GPTQ (awq-gptq) g128 sym; GPTQ g128 + bias
+correction; INT4 g16 asym RTN; W4A8 g32 (the default path: the model's Q4_1
+as is for SmolLM2, int4_sym_g32 RTN for stories); QAT INT4 g128. INT4 rows
+keep the embedding/head at int8_g32 on SmolLM2 (--embed-scheme; the 'all
+int4' row shows why). Weight-only rows run the float-activation kernels (a16), so the weights' error is what they show;
 W8A8 and W4A8 rows run the int8-activation kernels they are for. Each row:
 PPL, KL vs float, top-1, weights MB and bits/weight as the kernels read
 them, quantize time, and single-stream prefill/decode tok/s under the row's
@@ -55,6 +55,7 @@ def rows_for(model: str):
                                                         "bias_correction": True, **e8, **cal}, {"kernels": "a16"}),
          ("INT4 g128 sym AWQ", {"scheme": "int4_sym_g128", "method": "awq", **e8, **cal}, {"kernels": "a16"}),
          ("INT4 g128 asym AWQ", {"scheme": "int4_asym_g128", "method": "awq", **e8, **cal}, {"kernels": "a16"}),
+         ("INT4 g128 sym AWQ + GPTQ", {"scheme": "int4_sym_g128", "method": "awq-gptq", **e8, **cal}, {"kernels": "a16"}),
          ("INT4 g16 asym RTN", {"scheme": "int4_asym_g16", **e8}, {"kernels": "a16"}),
          ("INT4 g128 sym QAT", {"scheme": "int4_sym_g128", "method": "qat", **e8, **cal}, {"kernels": "a16"})]
     if model == "smollm2":

@@ -178,7 +178,8 @@ def test_bias_correction_in_the_model_cancels_each_matrix_shift(stories):
 
 
 @pytest.mark.parametrize("method,scheme,bc", [("rtn", "int4_sym_g32", True), ("gptq", "int4_asym_g32", True),
-                                               ("awq", "int4_sym_g32", False), ("smoothquant", "int8_pc", False)])
+                                               ("awq", "int4_sym_g32", False), ("awq-gptq", "int4_sym_g32", False),
+                                               ("smoothquant", "int8_pc", False)])
 def test_each_methods_saved_model_runs_what_its_calibration_measured(stories_hf, stories, tmp_path, method, scheme, bc):
     """The saved folder (embedding kept float, so the only difference is the decoder) gives, with the
     reference kernels, the logits of the calibration pass's own forward over the quantized matrices,
@@ -204,7 +205,7 @@ def test_each_methods_saved_model_runs_what_its_calibration_measured(stories_hf,
     np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(want).max())  # fp32, two summation orders
     meta = json.loads((tmp_path / "q" / "llamajet.json").read_text())
     assert meta["config"]["attention_bias"] is bc and meta["config"]["mlp_bias"] is bc
-    assert ("smoothing" in meta) is (method in ("awq", "smoothquant"))
+    assert ("smoothing" in meta) is (method in ("awq", "awq-gptq", "smoothquant"))
 
 
 def test_quantize_and_eval_reports(stories_hf, stories, tmp_path, capsys):

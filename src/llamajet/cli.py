@@ -277,9 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a scheme name (int4_sym_g32, int4_asym_g32, int8_g32, int8_pc, ...) or 'keep': "
                         "GGUF Q4_0/Q4_1/Q8_0 repacked without loss, float matrices left as they are")
     q.add_argument("--force", action="store_true", help="write into a non-empty output folder")
-    q.add_argument("--method", default="rtn", choices=("rtn", "gptq", "awq", "smoothquant", "qat"),
+    q.add_argument("--method", default="rtn", choices=("rtn", "gptq", "awq", "awq-gptq", "smoothquant", "qat"),
                    help="rtn: round to nearest; gptq: error-compensated against calibration inputs; awq: "
-                        "activation-aware input scales and clipping; smoothquant: activation range moved into "
+                        "activation-aware input scales and clipping; awq-gptq: AWQ's scales, then GPTQ "
+                        "(act-order); smoothquant: activation range moved into "
                         "the weights, for W8A8 (int8_pc); qat: fine-tuned through fake quantization, distilled "
                         "from the float model (PyTorch); all but rtn need --calib")
     q.add_argument("--calib", default=None, metavar="FILE", help="calibration text (not the text you evaluate on)")

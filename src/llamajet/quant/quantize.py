@@ -127,8 +127,8 @@ def _check_out(src: Path, out: Path, force: bool) -> None:
             raise LlamajetError(f"{out}: is where the source lives; write the output elsewhere")
 
 
-METHODS = ("rtn", "gptq", "awq", "smoothquant", "qat")
-CALIBRATED = ("gptq", "awq", "smoothquant", "qat")  # the methods that need --calib
+METHODS = ("rtn", "gptq", "awq", "awq-gptq", "smoothquant", "qat")
+CALIBRATED = ("gptq", "awq", "awq-gptq", "smoothquant", "qat")  # the methods that need --calib
 
 
 def _method(method: str, sch: QuantScheme, model: LoadedModel, act_order: bool, scale_search: bool):
@@ -138,6 +138,9 @@ def _method(method: str, sch: QuantScheme, model: LoadedModel, act_order: bool, 
     if method == "awq":
         from llamajet.quant.awq import AWQ
         return AWQ(sch, model.weights)
+    if method == "awq-gptq":  # GPTQ's act-order is its default here: it is what the pair was measured with
+        from llamajet.quant.awq import AWQGPTQ
+        return AWQGPTQ(sch, model.weights, act_order=True, search=scale_search)
     if method == "smoothquant":
         from llamajet.quant.smoothquant import SmoothQuant
         return SmoothQuant(sch, model.weights)
