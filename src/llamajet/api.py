@@ -19,7 +19,7 @@ from llamajet.engine.async_engine import AsyncEngine
 from llamajet.config import RuntimeConfig
 from llamajet.engine.engine import Engine, StreamEvent
 from llamajet.engine.outliers import plan_file as outlier_plan_file
-from llamajet.engine.outliers import probe_ids, probe_tokens
+from llamajet.engine.outliers import load_probe
 from llamajet.engine.outliers import save_plan as save_outlier_plan
 from llamajet.engine.outliers import saved_plan as saved_outlier_plan
 from llamajet.engine.runner import ModelRunner
@@ -101,18 +101,16 @@ class LLM:
         else:
             self.tokenizer = load_tokenizer(self.path)
         self.runtime = runtime.for_model(self.config)
-        # at most one context of the probe text (compile_graph's limit), so the plan's name says how
-        # many tokens found it: a load with a shorter context probes less and is another plan
-        probe = (probe_ids(self.tokenizer, probe_tokens(self.model))[:self.runtime.max_model_len]
-                 if self.runtime.act_outliers else None)
         # a weight_cache entry, and a model saved by `llamajet quantize`, keep the outlier channels
         # and columns of the first load that probed: later loads skip the probe (engine/outliers.py;
         # 3.6 s of an 8B's load). A cache entry writes its plan then; a saved folder gets its plan
-        # from quantize_model (engine/outliers.write_saved_plan: a load never writes into a model folder).
+        # from quantize_model (quant/quantize.write_outlier_plan: a load never writes into a model
+        # folder). The plan's name counts the probe tokens run (at most one context).
+        probe = load_probe(self.tokenizer, self.model, self.runtime)
         saved_folder = self.path.is_dir() and (self.path / META_FILE).is_file()
         plan_root = self.cache_entry if self.cache_entry is not None else self.path if saved_folder else None
         plan_path = plan = None
-        if plan_root is not None and probe is not None and self.runtime.act_int8 and self.runtime.fuse:
+        if plan_root is not None and probe is not None:
             plan_path = outlier_plan_file(plan_root, self.runtime.act_outliers, len(probe))
             plan = saved_outlier_plan(plan_path)
         runner = ModelRunner(self.model, self.runtime, probe_ids=probe, outlier_plan=plan)

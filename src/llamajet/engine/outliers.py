@@ -69,6 +69,15 @@ def probe_tokens(model) -> int:
     return PROBE_TOKENS if size < LARGE_MODEL_BYTES else PROBE_TOKENS_LARGE
 
 
+def load_probe(tokenizer, model, cfg) -> list[int] | None:
+    """The probe ids a load under runtime `cfg` runs: None when it runs no outlier channels
+    (act_outliers 0, float activations, or unfused: compile_graph's rule), else probe_ids cut to
+    one context (compile_graph's limit), so that len() is the count a plan file is named by."""
+    if not (cfg.act_outliers and cfg.act_int8 and cfg.fuse):
+        return None
+    return probe_ids(tokenizer, probe_tokens(model))[:cfg.max_model_len]
+
+
 def model_probe_ids(model, n: int | None = None) -> list[int]:
     """probe_ids with the model's own tokenizer (from its GGUF vocabulary, or the folder's
     tokenizer files), for a runner built without one (LLM passes the ids of the tokenizer it has).

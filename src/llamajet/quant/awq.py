@@ -40,27 +40,24 @@ ALPHAS = np.linspace(0.0, 1.0, 21)
 CLIPS = np.linspace(1.0, 0.5, 21)
 
 
-def _rtn32(x: np.ndarray, scheme) -> np.ndarray:
-    """float32 values RTN gives the groups of x [..., g] (float32): the searches' candidates. The
-    rule of formats/packed.py (rtn_scales, fp16 scales); float32 products of a code and an fp16
-    scale are exact (sym, int8), the asym d c + m is one rounding: ample for ranking candidates."""
-    d, m = rtn_scales(x, scheme)
+def _values32(x: np.ndarray, d: np.ndarray, m: np.ndarray | None, scheme) -> np.ndarray:
+    """float32 values the groups of x [..., g] (float32) round to under fp16 scales d (and mins m)
+    [...]: the rule of round_to (gptq.py) in float32, for ranking the searches' candidates. Products
+    of a code and an fp16 scale are exact in float32 (sym, int8); asym's d c + m is one rounding."""
     d32 = d.astype(np.float32)[..., None]
     inv = np.divide(np.float32(1), d32, out=np.zeros_like(d32), where=d32 != 0)
-    if scheme.bits == 4 and scheme.symmetric:
-        c = np.rint(x * inv)
-        np.clip(c, -8, 7, out=c)
-        return c * d32
-    if scheme.bits == 4:
+    if scheme.bits == 4 and not scheme.symmetric:
         m32 = m.astype(np.float32)[..., None]
         c = np.rint((x - m32) * inv)
         np.clip(c, 0, 15, out=c)
         c *= d32
         c += m32
         return c
+    lo, hi = (-8, 7) if scheme.bits == 4 else (-127, 127)
     c = np.rint(x * inv)
-    np.clip(c, -127, 127, out=c)
-    return c * d32
+    np.clip(c, lo, hi, out=c)
+    c *= d32
+    return c
 
 
 def _alpha_error(W: np.ndarray, x: np.ndarray, a: float, G: np.ndarray, scheme) -> tuple[np.ndarray, float]:
@@ -73,7 +70,8 @@ def _alpha_error(W: np.ndarray, x: np.ndarray, a: float, G: np.ndarray, scheme) 
     Ws = W * s
     if ng * g != K:  # whole groups, the last column repeated (the packing's rule)
         Ws = np.concatenate([Ws, np.repeat(Ws[:, -1:], ng * g - K, axis=1)], axis=1)
-    q = _rtn32(Ws.reshape(N, ng, g), scheme).reshape(N, -1)[:, :K]
+    Wg = Ws.reshape(N, ng, g)
+    q = _values32(Wg, *rtn_scales(Wg, scheme), scheme).reshape(N, -1)[:, :K]
     q /= s
     np.subtract(W, q, out=q)
     return s, output_error(q, G)
@@ -127,15 +125,7 @@ def clip_search(w: np.ndarray, gram: np.ndarray, scheme, clips=CLIPS):
     best_e, best_i = None, np.zeros((ng, N), np.int64)
     for i, f in enumerate(clips):
         d, m = rtn_scales((Wp * f).astype(np.float32).transpose(1, 0, 2), scheme)  # [ng, N]
-        d32 = d.astype(np.float32)[..., None]
-        inv = np.divide(np.float32(1), d32, out=np.zeros_like(d32), where=d32 != 0)
-        if scheme.bits == 4 and scheme.symmetric:
-            dx = np.clip(np.rint(W32 * inv), -8, 7) * d32
-        elif scheme.bits == 4:
-            m32 = m.astype(np.float32)[..., None]
-            dx = np.clip(np.rint((W32 - m32) * inv), 0, 15) * d32 + m32
-        else:
-            dx = np.clip(np.rint(W32 * inv), -127, 127) * d32
+        dx = _values32(W32, d, m, scheme)
         np.subtract(W32, dx, out=dx)
         e = np.einsum("gnk,gnk->gn", dx @ Gb, dx)
         if best_e is None:

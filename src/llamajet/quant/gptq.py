@@ -13,9 +13,10 @@ Damping adds 1% of the mean diagonal to H (dead inputs, whose diagonal is
 0, get weight 0 and a unit diagonal).
 
 Groups: each group of `g` columns gets its scale (and min) by the scheme's
-own RTN rule (or, with `search`, that rule's range shrunk by the factor of
-least rounding error, each column weighted by H_jj: group_params) (formats/packed.py: sym: the largest-magnitude value maps to
-code -8; asym: [min, max] over 15 steps; both fp16), computed when the
+own RTN rule (formats/packed.py: sym: the largest-magnitude value maps to
+code -8; asym: [min, max] over 15 steps; both fp16) or, with `search`, that
+rule's range shrunk by the factor of least rounding error, each column
+weighted by H_jj (group_params); computed when the
 group's first column is reached, from the columns as GPTQ has updated them.
 act_order (quantize columns by decreasing H_jj, the most salient first)
 visits columns out of order, so there every group's scales are fixed up

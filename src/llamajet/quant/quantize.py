@@ -181,12 +181,13 @@ def _bias_config(model: LoadedModel):
     return dataclasses.replace(model.config, attention_bias=True, mlp_bias=True)
 
 
-def write_outlier_plan(folder: str | Path) -> Path | None:
+def write_outlier_plan(folder: str | Path, model: LoadedModel | None = None) -> Path | None:
     """Probes the saved model in `folder` once, as the default runtime's load would, and keeps its
     outlier channels and columns there (engine/outliers.py), so `LLM(folder)` maps them and skips
     the probe; any older plan files there are removed first (they belong to the weights that were
     in the folder before). Returns the plan's path, or None when the default runtime runs this model
-    with no outlier channels (float activations, or a scheme with no int8 path)."""
+    with no outlier channels (float activations, or a scheme with no int8 path). `model`: the folder
+    already loaded (mapped), if the caller has it."""
     from llamajet.config import RuntimeConfig
     from llamajet.engine import outliers
     from llamajet.engine.runner import compile_graph
@@ -194,11 +195,11 @@ def write_outlier_plan(folder: str | Path) -> Path | None:
     folder = Path(folder)
     for old in folder.glob("outliers-k*-p*-v*.npz"):
         old.unlink()
-    model = load_model(folder)
+    model = model if model is not None else load_model(folder)
     cfg = RuntimeConfig().for_model(model.config)
-    if not (cfg.act_outliers and cfg.act_int8 and cfg.fuse):
+    ids = outliers.load_probe(load_tokenizer(folder), model, cfg)
+    if ids is None:
         return None
-    ids = outliers.probe_ids(load_tokenizer(folder), outliers.probe_tokens(model))[:cfg.max_model_len]
     path = outliers.plan_file(folder, cfg.act_outliers, len(ids))
     outliers.save_plan(compile_graph(model, cfg, probe_ids=ids).graph, path)
     return path if path.is_file() else None
@@ -285,8 +286,8 @@ def quantize_model(src: str | Path, out: str | Path, scheme: str, force: bool = 
     extra = {"smoothing": smoothing_meta(cal)} if cal.cols else {}
     saved.write_meta(out, config, entries, scheme=scheme if label == "rtn" else f"{scheme}+{label}",
                      source=src.name, **extra)
-    load_model(out)  # the folder must load: headers, sizes, config (maps, reads no weight bytes)
-    write_outlier_plan(out)
+    # the folder must load (headers, sizes, config: maps, reads no weight bytes), and that load probes
+    write_outlier_plan(out, load_model(out))
 
     counts: dict[str, int] = {}
     for _, what in plans:
