@@ -69,7 +69,8 @@ def main(argv=None) -> int:
                                 "--shape", "1b", "--mix", "hf-bf16"], check=True)
             sources[kind] = folder
         src = sources[kind]
-        src_bytes = sum(f.stat().st_size for f in src.iterdir() if f.suffix in (".safetensors", ".gguf"))
+        weights = [src] if src.is_file() else [f for f in src.iterdir() if f.suffix == ".safetensors"]
+        src_bytes = sum(f.stat().st_size for f in weights)  # SmolLM2's source is one GGUF file
         out = a.out / name
         cmd = [str(Path(sys.executable).parent / "llamajet"), "quantize", str(src), str(out), "--force",
                "--calib", str(calib), *args]
@@ -79,12 +80,12 @@ def main(argv=None) -> int:
              "args": args, "cpus": os.cpu_count()}
         results.append(r)
         print(json.dumps(r), flush=True)
-    print(f"\n| run | wall | peak RSS | source | RSS / source |\n|---|---|---|---|---|")
+    print("\n| run | wall | peak RSS | source | RSS / source |\n|---|---|---|---|---|")
     for r in results:
         print(f"| {r['run']} | {r['wall_s'] / 60:.1f} min | {r['peak_rss_mib']} MiB | {r['source_mib']} MiB "
               f"| {r['rss_over_source']}x |")
     (a.out / "results.json").write_text(json.dumps(results, indent=1))
-    return max((r["rc"] != 0 for r in results), default=0)
+    return int(any(r["rc"] != 0 for r in results))
 
 
 if __name__ == "__main__":
