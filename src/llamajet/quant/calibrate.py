@@ -34,6 +34,7 @@ from typing import Callable
 import numpy as np
 
 from llamajet.errors import LlamajetError
+from llamajet.loaders.base import page_releaser
 from llamajet.ops import ref
 from llamajet.quant.bias_correction import corrected_bias
 
@@ -150,10 +151,16 @@ class Inputs:
     def __init__(self, x: np.ndarray, gram: np.ndarray | None = None):
         self._x = x.reshape(-1, x.shape[-1])
         self.tokens = len(self._x)
-        a = np.abs(self._x)
         self.mean = self._x.mean(0, dtype=np.float64)
-        self.absmean = a.mean(0, dtype=np.float64)
-        self.absmax = a.max(0).astype(np.float64)
+        # |x| by chunks of rows: a whole |x| was a copy of the input (1 GB for a 1B's down at 64 x 512)
+        K = self._x.shape[1]
+        asum, self.absmax = np.zeros(K), np.zeros(K)
+        step = max(1, (1 << 24) // max(K, 1))
+        for r in range(0, self.tokens, step):
+            a = np.abs(self._x[r:r + step])
+            asum += a.sum(0, dtype=np.float64)
+            np.maximum(self.absmax, a.max(0), out=self.absmax)
+        self.absmean = asum / max(self.tokens, 1)
         rows = np.random.default_rng(0).permutation(self.tokens)[:SAMPLE]
         self.sample = np.ascontiguousarray(self._x[np.sort(rows)])
         self._gram = gram
@@ -280,8 +287,12 @@ def sequential(model, windows: list[list[int]], method: Method, progress: Callab
     h = _embed_rows(W["token_embd"], np.asarray(windows))  # [S, T, D]
     res = Calibrated()
 
-    def f32(name):
-        return W[name].to_f32().astype(np.float32)
+    release = page_releaser(model)
+
+    def f32(name):  # the source's file pages are dropped once read (a 1B's bf16 pages were 1.9 GB by the end)
+        a = W[name].to_f32().astype(np.float32)
+        release(W[name])
+        return a
 
     def bias(name):  # the checkpoint's bias (or 0) plus any correction made so far
         b = res.floats.get(name + ".bias")
