@@ -50,6 +50,30 @@ def test_awq_search_is_never_worse_than_no_scaling(name):
         assert alpha > 0 and chosen < 0.9 * unscaled, (alpha, chosen / unscaled)
 
 
+@pytest.mark.parametrize("name", ["int4_sym_g128", "int4_asym_g64"])
+def test_duo_scaling_is_searched_beside_plain_scaling_and_never_worse(name):
+    """AWQ.smooth searches s = x^α and AutoAWQ's duo family s = x^α / w^(1-α) (w: weight_magnitude) and
+    keeps whichever reaches the lower output error: never worse than the plain search (hence than s = 1)."""
+    from llamajet.quant.awq import AWQ, weight_magnitude
+
+    scheme = get_scheme(name)
+    w, x = _outlier_layer()
+    w[:, :8] *= 6.0  # a few channels with large weights: the duo statistic differs from x alone
+    inputs = Inputs(x)
+    wm = weight_magnitude(w, scheme)
+    g = scheme.group_for(w.shape[1])
+    grp = np.abs(w).reshape(len(w), -1, g).max(-1, keepdims=True)
+    np.testing.assert_allclose(wm, (np.abs(w).reshape(len(w), -1, g) / grp).reshape(len(w), -1).mean(0), rtol=1e-6)
+    _, _, plain = awq_scales([w], inputs, scheme)
+    _, _, duo = awq_scales([w], inputs, scheme, duo=True)
+    m = AWQ(scheme, {}, duo=True)
+    s = m.smooth(["w"], [w], inputs)
+    best = min(e for _, e in plain + duo)
+    chosen = output_error(w - rtn_dequant((w * s).astype(np.float32), scheme) / s, inputs.gram)
+    np.testing.assert_allclose(chosen, best, rtol=1e-3)  # float32 traces in the search, float64 here
+    assert m.duo_chosen["w"] == (min(e for _, e in duo) < min(e for _, e in plain))
+
+
 @pytest.mark.parametrize("name,k", [("int4_sym_g128", 256), ("int4_asym_g128", 200), ("int8_g32", 200)])
 def test_clip_search_is_rtn_without_shrinking_and_never_worse_with_it(name, k):
     scheme = get_scheme(name)
