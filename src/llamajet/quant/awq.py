@@ -47,17 +47,22 @@ ALPHAS = np.linspace(0.0, 1.0, 21)
 CLIPS = np.linspace(1.0, 0.5, 21)
 
 
+def _whole_groups(a: np.ndarray, g: int) -> np.ndarray:
+    """[N, K] -> [N, ng, g]: the columns padded to whole groups of g by repeating the last one (the
+    packing's rule, so a ragged last group's statistics are its real columns')."""
+    N, K = a.shape
+    ng = -(-K // g)
+    if ng * g != K:
+        a = np.concatenate([a, np.repeat(a[:, -1:], ng * g - K, axis=1)], axis=1)
+    return a.reshape(N, ng, g)
+
+
 def weight_magnitude(W: np.ndarray, scheme) -> np.ndarray:
     """Per input channel, the mean over rows of |W| relative to its group's max|W| (AutoAWQ's
     "duo scaling" statistic: a channel whose weights are already large within their groups needs
     less scaling up)."""
     N, K = W.shape
-    g = scheme.group_for(K)
-    ng = -(-K // g)
-    a = np.abs(np.asarray(W, np.float32))
-    if ng * g != K:
-        a = np.concatenate([a, np.repeat(a[:, -1:], ng * g - K, axis=1)], axis=1)
-    a = a.reshape(N, ng, g)
+    a = _whole_groups(np.abs(np.asarray(W, np.float32)), scheme.group_for(K))
     a = a / np.maximum(a.max(axis=-1, keepdims=True), 1e-30)
     return a.reshape(N, -1)[:, :K].mean(0, dtype=np.float64)
 
@@ -69,12 +74,7 @@ def _alpha_error(W: np.ndarray, x: np.ndarray, a: float, G: np.ndarray, scheme,
     s = x ** a if wmag is None else x ** a / wmag ** (1.0 - a)
     s = (s / np.sqrt(s.max() * s.min())).astype(np.float32)
     N, K = W.shape
-    g = scheme.group_for(K)
-    ng = -(-K // g)
-    Ws = W * s
-    if ng * g != K:  # whole groups, the last column repeated (the packing's rule)
-        Ws = np.concatenate([Ws, np.repeat(Ws[:, -1:], ng * g - K, axis=1)], axis=1)
-    Wg = Ws.reshape(N, ng, g)
+    Wg = _whole_groups(W * s, scheme.group_for(K))
     q = values32(Wg, *rtn_scales(Wg, scheme), scheme).reshape(N, -1)[:, :K]
     q /= s
     np.subtract(W, q, out=q)
@@ -89,13 +89,30 @@ def awq_scales(ws: list[np.ndarray], inputs: Inputs, scheme, alphas=ALPHAS, coar
     on the full grid's choice or next to it (α = 0 is always tried: never worse than s = 1).
     duo: s = x^α / w^(1-α) with w = weight_magnitude (α = 0 is then not s = 1; AWQ.smooth tries
     both families and keeps the better)."""
+    return awq_search(ws, inputs, scheme, alphas, coarse, ("duo",) if duo else ("plain",))[0]
+
+
+def awq_search(ws: list[np.ndarray], inputs: Inputs, scheme, alphas=ALPHAS, coarse: bool = True,
+               families=("plain",)) -> list[tuple[np.ndarray, float, list]]:
+    """awq_scales' result for each family ("plain": s = x^α; "duo": s = x^α / w^(1-α)), in the order
+    given, from one preparation: the group's W concatenated and its Gram in float32 are made once
+    (at 1B, down's are 256 MB each)."""
     W = np.concatenate([np.asarray(w, np.float32) for w in ws])
     G = inputs.gram.astype(np.float32)  # the errors compare candidates: float32 traces are ample
     x = np.maximum(inputs.absmean, 1e-6 * max(float(inputs.absmean.max()), 1e-30))
-    wmag = None
-    if duo:
-        wm = weight_magnitude(W, scheme)
-        wmag = np.maximum(wm, 1e-4 * max(float(wm.max()), 1e-30))
+    out = []
+    for family in families:
+        wmag = None
+        if family == "duo":
+            wm = weight_magnitude(W, scheme)
+            wmag = np.maximum(wm, 1e-4 * max(float(wm.max()), 1e-30))
+        elif family != "plain":
+            raise ValueError(f"unknown AWQ scale family {family!r} (plain, duo)")
+        out.append(_search_alpha(W, x, G, scheme, alphas, coarse, wmag))
+    return out
+
+
+def _search_alpha(W, x, G, scheme, alphas, coarse, wmag):
     done: dict[int, tuple[np.ndarray, float]] = {}
 
     def at(i):
@@ -123,7 +140,7 @@ def clip_search(w: np.ndarray, gram: np.ndarray, scheme, clips=CLIPS):
     N, K = W.shape
     g = scheme.group_for(K)
     ng = -(-K // g)
-    Wp = np.concatenate([W, np.repeat(W[:, -1:], ng * g - K, axis=1)], axis=1).reshape(N, ng, g)
+    Wp = _whole_groups(W, g)
     if gram.ndim == 3:
         Gb = np.asarray(gram, np.float32)
     else:
@@ -159,10 +176,12 @@ class AWQ(Method):
         self.duo_chosen: dict[str, bool] = {}  # ... and whether the duo family won
 
     def smooth(self, names, ws, inputs):
-        s, a, tried = awq_scales(ws, inputs, self.scheme)
+        # with duo, both families from one preparation, the lesser output error kept (never worse than s = 1)
+        found = awq_search(ws, inputs, self.scheme, families=("plain", "duo") if self.duo else ("plain",))
+        s, a, tried = found[0]
         duo = False
-        if self.duo:  # both families searched, the lesser output error kept (so never worse than s = 1)
-            s2, a2, tried2 = awq_scales(ws, inputs, self.scheme, duo=True)
+        if self.duo:
+            s2, a2, tried2 = found[1]
             if min(e for _, e in tried2) < min(e for _, e in tried):
                 s, a, duo = s2, a2, True
         self.alphas[names[0]], self.duo_chosen[names[0]] = a, duo

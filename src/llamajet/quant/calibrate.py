@@ -151,15 +151,19 @@ class Inputs:
     def __init__(self, x: np.ndarray, gram: np.ndarray | None = None):
         self._x = x.reshape(-1, x.shape[-1])
         self.tokens = len(self._x)
-        self.mean = self._x.mean(0, dtype=np.float64)
-        # |x| by chunks of rows: a whole |x| was a copy of the input (1 GB for a 1B's down at 64 x 512)
+        # E[x], E|x|, max|x| in one pass by chunks of rows: a whole |x| was a copy of the input (1 GB for
+        # a 1B's down at 64 x 512). The Gram reads the rows once more, when a method asks for it; that
+        # pass costs K multiply-adds per value read, so reading the rows twice is not worth coupling them.
         K = self._x.shape[1]
-        asum, self.absmax = np.zeros(K), np.zeros(K)
+        xsum, asum, self.absmax = np.zeros(K), np.zeros(K), np.zeros(K)
         step = max(1, (1 << 24) // max(K, 1))
         for r in range(0, self.tokens, step):
-            a = np.abs(self._x[r:r + step])
+            c = self._x[r:r + step]
+            xsum += c.sum(0, dtype=np.float64)
+            a = np.abs(c)
             asum += a.sum(0, dtype=np.float64)
             np.maximum(self.absmax, a.max(0), out=self.absmax)
+        self.mean = xsum / max(self.tokens, 1)
         self.absmean = asum / max(self.tokens, 1)
         rows = np.random.default_rng(0).permutation(self.tokens)[:SAMPLE]
         self.sample = np.ascontiguousarray(self._x[np.sort(rows)])
