@@ -83,8 +83,20 @@ run() {  # tier, files...
 TIERS=$("$PY" -c 'import sys; sys.path.insert(0, "tests"); import sancore; sancore.use_core_from_env()
 from llamajet import ops; print(" ".join(ops.supported_isas()))')
 BEST=${TIERS##* }
+# The best tier leaves out what repeats, at ASan's cost, code the run checks elsewhere (measured under
+# ASan on a 2-core Sapphire Rapids, 2026-12-03: together 18 of this run's 43 minutes):
+# - fused == unfused on the default model for the lower tiers (ref 110 s, avx2 41 s, avx512 31 s per
+#   KV type): their fused and unfused kernels run on every tier in test_kernels (ragged shapes,
+#   every epilogue) and their engine in the per-tier runs below; the best tier keeps all four KV types;
+# - each fusion pass alone on the default model (30 s each): all of them together is kept, and the
+#   unfused reference it compares with runs every unfused kernel;
+# - the two quality measurements (KV precision on WikiText, 102 s; a quantized model against the float
+#   one, 38 s): numbers, not memory; the generation tests beside them run the same kernels.
+BEST_K="not (test_fused_equals_unfused_on_every_isa and not ${BEST}-)
+  and not (test_each_pass_is_exact_on_the_default_model and not qkv+gate_up)
+  and not test_kv_precision_quality_on_wikitext and not test_quality_against_the_float_model"
 # shellcheck disable=SC2086
-run "$BEST" $ONCE $PER_TIER
+run "$BEST" $ONCE $PER_TIER -k "$(tr -s ' \n' ' ' <<< "$BEST_K")"
 # Lower tiers leave out the tests that run the 135M default model: under ASan
 # at -O1 the scalar tier takes minutes on it (measured: 255 s and 101 s for
 # two scheduler tests); their kernels and ops were checked on every tier above.
