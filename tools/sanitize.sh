@@ -84,7 +84,7 @@ TIERS=$("$PY" -c 'import sys; sys.path.insert(0, "tests"); import sancore; sanco
 from llamajet import ops; print(" ".join(ops.supported_isas()))')
 BEST=${TIERS##* }
 # The best tier leaves out what repeats, at ASan's cost, code the run checks elsewhere (measured under
-# ASan on a 2-core Sapphire Rapids, 2026-12-03: together 18 of this run's 43 minutes):
+# ASan on a 2-core Sapphire Rapids, 2026-12-03: together 18 of the 34 minutes this run then took):
 # - fused == unfused on the default model for the lower tiers (ref 110 s, avx2 41 s, avx512 31 s per
 #   KV type): their fused and unfused kernels run on every tier in test_kernels (ragged shapes,
 #   every epilogue) and their engine in the per-tier runs below; the best tier keeps all four KV types;

@@ -97,6 +97,9 @@ def awq_search(ws: list[np.ndarray], inputs: Inputs, scheme, alphas=ALPHAS, coar
     """awq_scales' result for each family ("plain": s = x^α; "duo": s = x^α / w^(1-α)), in the order
     given, from one preparation: the group's W concatenated and its Gram in float32 are made once
     (at 1B, down's are 256 MB each)."""
+    bad = [f for f in families if f not in ("plain", "duo")]
+    if bad:  # before the preparation, not after it
+        raise ValueError(f"unknown AWQ scale family {bad[0]!r} (plain, duo)")
     W = np.concatenate([np.asarray(w, np.float32) for w in ws])
     G = inputs.gram.astype(np.float32)  # the errors compare candidates: float32 traces are ample
     x = np.maximum(inputs.absmean, 1e-6 * max(float(inputs.absmean.max()), 1e-30))
@@ -106,8 +109,6 @@ def awq_search(ws: list[np.ndarray], inputs: Inputs, scheme, alphas=ALPHAS, coar
         if family == "duo":
             wm = weight_magnitude(W, scheme)
             wmag = np.maximum(wm, 1e-4 * max(float(wm.max()), 1e-30))
-        elif family != "plain":
-            raise ValueError(f"unknown AWQ scale family {family!r} (plain, duo)")
         out.append(_search_alpha(W, x, G, scheme, alphas, coarse, wmag))
     return out
 
