@@ -56,23 +56,29 @@ def test_dead_inputs_get_zero_weight():
     assert np.isfinite(q).all() and np.all(q[:, 5] == 0.0)
 
 
-@pytest.mark.parametrize("k", [7, 256, 600])
-def test_inverse_cholesky_factor_is_numpys(k):
+@pytest.mark.parametrize("k", [7, 256, 600, 1100])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_inverse_cholesky_factor_is_numpys(k, dtype):
     """GPTQ's U (U^T U = H^-1, upper) made from one Cholesky of the reversed H and a blocked triangular
-    inverse equals numpy's Cholesky of numpy's inverse (float64), on an ill-conditioned H (input scales
-    over 3 decades) whose size is not a multiple of the 256-row block."""
+    inverse equals numpy's float64 Cholesky of numpy's inverse, on an ill-conditioned H (input scales
+    over 3 decades, condition ~1.5e3 after the damping) whose size is not a multiple of the 256-row
+    inverse blocks or the 512-column Cholesky blocks (float32 runs the blocked Cholesky; 1100 is three
+    blocks of it)."""
     from llamajet.quant.gptq import inverse_cholesky_upper
 
     rng = np.random.default_rng(11)
     x = rng.normal(size=(3 * k, k)) * np.logspace(-1.5, 1.5, k)
     h = 2 * x.T @ x
     h[np.diag_indices(k)] += 0.01 * np.mean(np.diag(h))
-    u = inverse_cholesky_upper(h)
+    u = inverse_cholesky_upper(h.astype(dtype))
+    assert u.dtype == dtype and np.array_equal(u, np.triu(u))
+    u = u.astype(np.float64)
     ref = np.linalg.cholesky(np.linalg.inv(h)).T
-    assert np.array_equal(u, np.triu(u))
-    # both sides are float64 factorizations of a matrix of condition ~1e5: agreement to ~1e-16 x that
-    np.testing.assert_allclose(u, ref, rtol=0, atol=1e-9 * np.abs(ref).max())
-    np.testing.assert_allclose(u.T @ u @ h, np.eye(k), rtol=0, atol=1e-8)
+    # A factorization's error is about (condition ~1.5e3) x (unit roundoff): float64 1e-13, float32
+    # 1e-4 of the largest entry (measured: float64 ~1e-16, float32 4e-8 .. 1.0e-7).
+    tol = 1e-9 if dtype == np.float64 else 1e-5
+    np.testing.assert_allclose(u, ref, rtol=0, atol=tol * np.abs(ref).max())
+    np.testing.assert_allclose(u.T @ u @ h, np.eye(k), rtol=0, atol=1e-8 if dtype == np.float64 else 1e-4)
 
 
 @pytest.fixture(scope="module")

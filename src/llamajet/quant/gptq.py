@@ -10,7 +10,11 @@ after j absorb -e U_j,j+1: (the optimal update for the remaining ones).
 Columns go in lazy blocks of 128: inside a block the update is applied
 column by column, the rest of the matrix gets one rank-128 update per block.
 Damping adds 1% of the mean diagonal to H (dead inputs, whose diagonal is
-0, get weight 0 and a unit diagonal).
+0, get weight 0 and a unit diagonal). Inside a block the updates are lazy
+again, by sub-blocks of 16 columns. The weights being updated, H's
+factorization and the updates are float32, as in GPTQ's reference code;
+each column's rounding is computed in float64 (gptq_quantize's docstring has
+the measurements).
 
 Groups: each group of `g` columns gets its scale (and min) by the scheme's
 own RTN rule (formats/packed.py: sym: the largest-magnitude value maps to
@@ -37,6 +41,7 @@ from llamajet.formats.weight import Kind, Weight
 from llamajet.quant.calibrate import Inputs, Method
 
 SHRINK = np.linspace(1.0, 0.7, 13)  # range shrink factors the scale search tries
+SUB = 16  # columns per sub-block of GPTQ's lazy updates inside a block (gptq_quantize)
 
 
 def group_params(x: np.ndarray, scheme: QuantScheme, search: bool = False,
@@ -114,9 +119,10 @@ def round_to(w: np.ndarray, d: np.ndarray, m: np.ndarray | None, scheme: QuantSc
 
 def _inv_lower(L: np.ndarray, block: int = 256) -> np.ndarray:
     """Inverse of a lower-triangular L [K, K] by blocked forward substitution: block row i of
-    X = L^-1 is X_ii = L_ii^-1 and X_i,:i = -X_ii (L_i,:i X_:i,:i), all matrix products
-    (K^3 / 3 multiply-adds; np.linalg.inv's LU of the same matrix does 2 K^3 / 3 more and
-    ignores the zeros)."""
+    X = L^-1 is X_ii = L_ii^-1 and X_i,:i = -X_ii (L_i,:i X_:i,:i), all matrix products. X_:i,:i is
+    lower triangular, so block column j of L_i,:i X_:i,:i reads only L_i,j: and X_j:,j (K^3 / 3
+    multiply-adds in all where the whole product did 2 K^3 / 3: at K = 8192 4.66 -> 2.36 s on
+    2 cores, float64; np.linalg.inv's LU of the same matrix does 2 K^3 / 3 more and ignores the zeros)."""
     K = len(L)
     X = np.zeros_like(L)
     for b0 in range(0, K, block):
@@ -124,8 +130,46 @@ def _inv_lower(L: np.ndarray, block: int = 256) -> np.ndarray:
         Xii = np.linalg.inv(L[b0:b1, b0:b1])
         X[b0:b1, b0:b1] = Xii
         if b0:
-            X[b0:b1, :b0] = -Xii @ (L[b0:b1, :b0] @ X[:b0, :b0])
+            P = np.empty((b1 - b0, b0), L.dtype)
+            for j0 in range(0, b0, block):
+                P[:, j0:j0 + block] = L[b0:b1, j0:b0] @ X[j0:b0, j0:j0 + block]
+            X[b0:b1, :b0] = -Xii @ P
     return X
+
+
+def _cholesky(A: np.ndarray, block: int = 512) -> np.ndarray:
+    """Lower-triangular L with L L^T = A (symmetric positive definite), in A's memory, right-looking
+    by blocks of `block` columns: each diagonal block by LAPACK, the panel below it by one product
+    with that block's inverse, the trailing lower blocks by matrix products (into one buffer). At
+    K = 8192, float32, 2 cores: 1.7-2.2 s, where LAPACK's potrf through numpy took 5.1 s (36 GFLOP/s,
+    no faster than its float64)."""
+    K = len(A)
+    L = A
+    buf = np.empty((K, block), A.dtype)
+    for b0 in range(0, K, block):
+        b1 = min(b0 + block, K)
+        L11 = np.linalg.cholesky(L[b0:b1, b0:b1])
+        L[b0:b1, b0:b1] = L11
+        if b1 == K:
+            break
+        L[b0:b1, b1:] = 0.0
+        P = L[b1:, b0:b1] @ np.linalg.inv(L11).T  # L21 = A21 L11^-T
+        L[b1:, b0:b1] = P
+        for j0 in range(b1, K, block):  # A22 -= L21 L21^T, lower blocks only
+            j1 = min(j0 + block, K)
+            t = buf[:K - j0, :j1 - j0]
+            np.matmul(P[j0 - b1:], P[j0 - b1:j1 - b1].T, out=t)
+            L[j0:, j0:j1] -= t
+    return L
+
+
+def _upper_from_reversed(A: np.ndarray) -> np.ndarray:
+    """inverse_cholesky_upper's U from A = J H J (H reversed in both axes), overwriting A."""
+    L = np.linalg.cholesky(A) if A.dtype == np.float64 else _cholesky(A)
+    del A
+    X = _inv_lower(L)
+    del L
+    return np.ascontiguousarray(X[::-1, ::-1])
 
 
 def inverse_cholesky_upper(H: np.ndarray) -> np.ndarray:
@@ -133,12 +177,21 @@ def inverse_cholesky_upper(H: np.ndarray) -> np.ndarray:
     reads, without forming H^-1: with J the reversal, J H J = L L^T gives H = R R^T for the
     upper R = J L J, so H^-1 = R^-T R^-1 and U = R^-1 = J L^-1 J (the Cholesky factor of H^-1
     is unique, so this is the same matrix as cholesky(inv(H)).T). One Cholesky and one
-    triangular inverse instead of a full inverse and a Cholesky: at K = 8192 (1B's down)
-    33.0 s -> 14.2 s on 2 cores, the two agreeing to 1.5e-14 relative."""
-    L = np.linalg.cholesky(np.ascontiguousarray(H[::-1, ::-1]))
-    X = _inv_lower(L)
-    del L
-    return np.ascontiguousarray(X[::-1, ::-1])
+    triangular inverse instead of a full inverse and a Cholesky, in H's precision: at K = 8192
+    (1B's down) on 2 cores 33.0 s -> 14.2 s (float64), ~3 s in float32 with the blocked
+    Cholesky and _inv_lower's triangular products (float64: agreeing with numpy's to 1.5e-14)."""
+    return _upper_from_reversed(np.array(H[::-1, ::-1]))
+
+
+def _permuted32(h: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """h[p][:, p] in float32, by chunks of rows (no whole-matrix float64 temporary: at K = 8192
+    one is 512 MB), each chunk's columns gathered after the cast (np.take into the output: 0.34 s
+    at K = 8192, where fancy-indexing the float64 columns took 1.5-2 s)."""
+    K = len(p)
+    out = np.empty((K, K), np.float32)
+    for r0 in range(0, K, 256):
+        np.take(h[p[r0:r0 + 256]].astype(np.float32), p, axis=1, out=out[r0:r0 + 256])
+    return out
 
 
 def gptq_quantize(w: np.ndarray, hessian: np.ndarray, scheme: QuantScheme, block: int = 128,
@@ -146,37 +199,49 @@ def gptq_quantize(w: np.ndarray, hessian: np.ndarray, scheme: QuantScheme, block
                                                                        np.ndarray | None]:
     """GPTQ of w [N, K] against hessian [K, K] (= 2 X^T X, any positive
     multiple: the result does not depend on the scale). Returns the
-    dequantized weights Ŵ [N, K] (float64), codes [N, K], and the group
-    scales d, mins m [N, n_groups] (fp16)."""
-    W = np.array(w, np.float64)
+    dequantized weights Ŵ [N, K] (float32: exactly the packed values, as
+    `dequantize` gives them), codes [N, K], and the group scales d, mins m
+    [N, n_groups] (fp16).
+
+    Precision: as in GPTQ's reference code, the weights being updated, the
+    factorization of H and the updates are float32 (H is damped in float64
+    first); each column's rounding and error are computed in float64 from
+    its float32 values. At 1B shape this halves the loop's products and
+    memory traffic (float64 products streaming the remaining columns ran at
+    31 GFLOP/s here, float32 at 123) and the factorization (9.3 -> 2.9 s)."""
+    W = np.array(w, np.float32)
     N, K = W.shape
     g = scheme.group_for(K)
     ng = -(-K // g)
-    H = np.array(hessian, np.float64)
-    dead = np.diag(H) == 0
-    H[dead, dead] = 1.0
+    hd = np.array(np.diag(hessian), np.float64)  # each column's weight in the scale search
+    dead = hd == 0
+    hd[dead] = 1.0  # dead columns: a unit diagonal (and weight 1 in the search), their values 0
     W[:, dead] = 0.0
     d_all = np.zeros((N, ng), F16)
     m_all = None if scheme.symmetric else np.zeros((N, ng), F16)
-    hd = np.diag(H).copy()  # each column's weight in the scale search (dead columns: 1, their values 0)
     if act_order:  # static groups from the original weights (see the module docstring)
         for gi in range(ng):
             d, m = group_params(W[:, gi * g:(gi + 1) * g], scheme, search, hd[gi * g:(gi + 1) * g])
             d_all[:, gi] = d
             if m_all is not None:
                 m_all[:, gi] = m
-        perm = np.argsort(-np.diag(H), kind="stable")
+        perm = np.argsort(-hd, kind="stable")
     else:
         perm = np.arange(K)
-    H = H[np.ix_(perm, perm)]
-    H[np.diag_indices(K)] += damp * np.mean(np.diag(H))
-    U = inverse_cholesky_upper(H)  # upper: H^-1 = U^T U
-    del H
+    # J H[perm][:, perm] J (J: the reversal; see inverse_cholesky_upper) in float32, gathered at once
+    A = _permuted32(hessian, perm[::-1])
+    A[np.diag_indices(K)] = (hd[perm[::-1]] + damp * np.mean(hd)).astype(np.float32)
+    U = _upper_from_reversed(A)  # upper: H^-1 = U^T U, in visiting order
+    del A
     # Columns as rows: WT [K, N] (in visiting order), so each column the loop reads, rounds and
     # updates is contiguous; in [N, K] every value of a column sat on its own cache line.
-    WT = np.ascontiguousarray(W[:, perm].T)
-    QT = np.zeros_like(WT)
-    codesT = np.zeros((K, N), np.int16)
+    # (W.T made contiguous first, then its rows gathered: a gather of W's columns was 1.1 s at 1B.)
+    WT = np.ascontiguousarray(W.T)
+    del W
+    if act_order:
+        WT = WT[perm]
+    QT = np.empty_like(WT)
+    codesT = np.empty((K, N), np.int16)
     # Per group, the float64 constants round_to derives from the fp16 scales, made once per group
     # instead of once per column; the same operations on the same values as round_to, so the same codes.
     sym4, asym4 = scheme.bits == 4 and scheme.symmetric, scheme.bits == 4 and not scheme.symmetric
@@ -195,36 +260,69 @@ def gptq_quantize(w: np.ndarray, hessian: np.ndarray, scheme: QuantScheme, block
     if act_order:
         for gi in range(ng):
             set_group(gi, d_all[:, gi].copy(), None if m_all is None else m_all[:, gi].copy())
-    c = np.empty(N)
+    c, q, err = np.empty(N), np.empty(N), np.empty(N)
+    # The products of the lazy updates go into buffers made once: a fresh (K - 128) x N product per
+    # block cost more in page faults than its arithmetic.
+    big = np.empty(max(K - block, 0) * N, np.float32)
+    small = np.empty(block * N, np.float32)
     for b0 in range(0, K, block):
         b1 = min(b0 + block, K)
+        n = b1 - b0
         W1 = WT[b0:b1].copy()
         E1 = np.zeros_like(W1)
         U1 = U[b0:b1, b0:b1]
-        for i in range(b1 - b0):
-            col = perm[b0 + i]
-            gi = col // g
-            if not act_order and col % g == 0:  # a new group: its scales from the updated columns
-                cols = (np.concatenate([W1[i:i + g], WT[b1:b0 + i + g]], axis=0)
-                        if i + g > b1 - b0 else W1[i:i + g])
-                set_group(gi, *group_params(np.ascontiguousarray(cols.T), scheme, search, hd[col:col + g]))
-            w_i, df, mf = W1[i], df_all[gi], mf_all[gi]
-            # round_to: codes rint(w / d) (+ 8), or rint((w - m) / d), clipped; values d (c - 8), d c + m, d c
-            np.multiply(w_i - mf if asym4 else w_i, inv_all[gi], out=c)
-            np.rint(c, out=c)
-            if off:
-                c += off
-            np.clip(c, lo, hi, out=c)
-            codesT[b0 + i] = c
-            q = df * (c - off) + mf if asym4 else df * (c - off)
-            QT[b0 + i] = q
-            err = (w_i - q) / U1[i, i]
-            W1[i:] -= U1[i, i:, None] * err
-            E1[i] = err
-        WT[b1:] -= U[b0:b1, b1:].T @ E1
-    Q, codes = QT.T, codesT.T
-    inv = np.argsort(perm)
-    return Q[:, inv], codes[:, inv], d_all, m_all
+        # Inside the block, the columns' updates are lazy too, by sub-blocks of SUB: column i updates
+        # only the rest of its sub-block, and each finished sub-block updates the rest of the block in
+        # one product. A column still receives every earlier column's update before it is read (the
+        # same sums, in another order), and a sub-block ends where a group begins (the group's scales
+        # are read from fully updated columns). Rank-1 updates of the whole block were 13 s of a
+        # 1B layer's 68: at N = 16384 a block is 8-16 MB, re-read and re-written for every column.
+        starts = set(range(0, n, SUB))
+        if not act_order:
+            starts |= {i for i in range(n) if perm[b0 + i] % g == 0}
+        edges = sorted(starts) + [n]
+        for s0, s1 in zip(edges[:-1], edges[1:]):
+            for i in range(s0, s1):
+                col = perm[b0 + i]
+                gi = col // g
+                if not act_order and col % g == 0:  # a new group: its scales from the updated columns
+                    cols = (np.concatenate([W1[i:i + g], WT[b1:b0 + i + g]], axis=0)
+                            if i + g > n else W1[i:i + g])
+                    set_group(gi, *group_params(np.ascontiguousarray(cols.T), scheme, search, hd[col:col + g]))
+                w_i, df, mf = W1[i], df_all[gi], mf_all[gi]
+                # round_to: codes rint(w / d) (+ 8), or rint((w - m) / d), clipped; values d (c - 8), d c + m, d c
+                if asym4:
+                    np.subtract(w_i, mf, out=c)
+                    c *= inv_all[gi]
+                else:
+                    np.multiply(w_i, inv_all[gi], out=c)
+                np.rint(c, out=c)
+                if off:
+                    c += off
+                np.clip(c, lo, hi, out=c)
+                codesT[b0 + i] = c
+                np.subtract(c, off, out=q)
+                q *= df
+                if asym4:
+                    q += mf
+                QT[b0 + i] = q
+                np.subtract(w_i, q, out=err)
+                err /= U1[i, i]
+                E1[i] = err
+                W1[i + 1:s1] -= U1[i, i + 1:s1, None] * E1[i]
+            if s1 < n:
+                t = small[:(n - s1) * N].reshape(n - s1, N)
+                np.matmul(U1[s0:s1, s1:].T, E1[s0:s1], out=t)
+                W1[s1:] -= t
+        if b1 < K:
+            t = big[:(K - b1) * N].reshape(K - b1, N)
+            np.matmul(U[b0:b1, b1:].T, E1, out=t)
+            WT[b1:] -= t
+    del WT, big, small
+    if act_order:  # back to column order, rows first (contiguous), then the transpose
+        inv = np.argsort(perm)
+        QT, codesT = QT[inv], codesT[inv]
+    return QT.T, codesT.T, d_all, m_all  # views [N, K]: the forward reads Ŵ^T, which is QT itself
 
 
 def pack_gptq(name: str, scheme: QuantScheme, shape: tuple[int, int], codes: np.ndarray, d: np.ndarray,
