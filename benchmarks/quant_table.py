@@ -16,7 +16,8 @@ with one scale per row) RTN and SmoothQuant; INT4 g128 RTN sym and asym;
 GPTQ g128 sym (without and with act-order), asym (act-order); AWQ g128 sym
 and asym; AWQ's scales then GPTQ (awq-gptq) g128 sym; GPTQ g128 + bias
 correction; INT4 g16 asym RTN; W4A8 g32 (the default path: the model's Q4_1
-as is for SmolLM2, int4_sym_g32 RTN for stories); QAT INT4 g128. INT4 rows
+as is for SmolLM2, int4_sym_g32 RTN for stories); QAT INT4 g128; last, INT4
+g64 RTN and GPTQ act-order, sym and asym. INT4 rows
 keep the embedding/head at int8_g32 on SmolLM2 (--embed-scheme; the 'all
 int4' row shows why). Weight-only rows run the float-activation kernels (a16), so the weights' error is what they show;
 W8A8 and W4A8 rows run the int8-activation kernels they are for. Each row:
@@ -63,6 +64,13 @@ def rows_for(model: str):
         r.append(("W4A8 g32: the default path (Q4_1 as is)", None, {"kernels": "fast"}))
     else:
         r.append(("W4A8 g32 (int4_sym_g32 RTN)", {"scheme": "int4_sym_g32"}, {"kernels": "fast"}))
+    # g64, the other group size not aligned to SmolLM2's 32-blocks; last, so the rows above keep their numbers
+    r += [("INT4 g64 sym RTN", {"scheme": "int4_sym_g64", **e8}, {"kernels": "a16"}),
+          ("INT4 g64 asym RTN", {"scheme": "int4_asym_g64", **e8}, {"kernels": "a16"}),
+          ("INT4 g64 sym GPTQ act-order", {"scheme": "int4_sym_g64", "method": "gptq", "act_order": True, **e8, **cal},
+           {"kernels": "a16"}),
+          ("INT4 g64 asym GPTQ act-order", {"scheme": "int4_asym_g64", "method": "gptq", "act_order": True, **e8,
+                                            **cal}, {"kernels": "a16"})]
     return r
 
 
