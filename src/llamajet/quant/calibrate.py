@@ -94,8 +94,11 @@ def _rope32(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, heads: int, hd: int
 
 @functools.lru_cache(maxsize=2)
 def _causal_mask(T: int) -> np.ndarray:
-    """[T, T] float32: 0 on and below the diagonal, -inf above (added to the scores)."""
-    return np.triu(np.full((T, T), -np.inf, np.float32), 1)
+    """[T, T] float32: 0 on and below the diagonal, -inf above (added to the scores); read-only, as
+    the cache shares it between calls."""
+    m = np.triu(np.full((T, T), -np.inf, np.float32), 1)
+    m.flags.writeable = False
+    return m
 
 
 def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, heads: int, kv_heads: int, hd: int) -> np.ndarray:

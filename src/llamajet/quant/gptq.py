@@ -164,9 +164,9 @@ def _cholesky(A: np.ndarray, block: int = 512) -> np.ndarray:
 
 
 def _upper_from_reversed(A: np.ndarray) -> np.ndarray:
-    """inverse_cholesky_upper's U from A = J H J (H reversed in both axes), overwriting A."""
+    """inverse_cholesky_upper's U from A = J H J (H reversed in both axes); a float32 A is
+    overwritten by its Cholesky factor (the caller's reference keeps it alive until U is made)."""
     L = np.linalg.cholesky(A) if A.dtype == np.float64 else _cholesky(A)
-    del A
     X = _inv_lower(L)
     del L
     return np.ascontiguousarray(X[::-1, ::-1])
