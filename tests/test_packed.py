@@ -450,6 +450,9 @@ def test_gguf_twins_matmul_a16_and_embedding(isa, name):
     bound = 2 * (k + 3) * 2.0**-24 * (np.abs(x) @ np.abs(deq).T)
     got = _run_matmul(isa, 2, x, pw, a16=True)
     assert np.all(np.abs(got - ref) <= bound)
+    # 5 rows: two row blocks and one alone (the AVX-512 tiers' table path), the bits of each row alone
+    alone = np.stack([_run_matmul(isa, 1, x[m : m + 1], pw, a16=True)[0] for m in range(len(x))])
+    np.testing.assert_array_equal(got, alone)
     tokens = np.array([0, 36, 17, 16, 15, 3], np.int32)
     ex = _exe(isa, 2, len(tokens))
     ob = ex.alloc_buffer(4 * len(tokens) * k)
