@@ -12,6 +12,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstring>
 #include <functional>
 #include <stdexcept>
 
@@ -133,6 +134,37 @@ NB_MODULE(_core, m) {
   m.def("read_bandwidth", &lj::read_bandwidth, "nbytes"_a, "n_threads"_a, "reps"_a = 5,
         nb::call_guard<nb::gil_scoped_release>(),
         "Best read rate (bytes/s) of an nbytes buffer over reps passes, n_threads threads.");
+  // A GGUF metadata array of `count` strings ([u64 length][bytes] each) at byte
+  // `offset` of `buf` (the file's map): the Python list (UTF-8, invalid bytes
+  // replaced, as gguf_meta's loop did) and the offset after it. 0.30 s of a
+  // Llama-3 GGUF's load in Python (128,256 tokens + 280,147 merges); 0.05 s here.
+  m.def(
+      "gguf_string_array",
+      [](nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> buf, uint64_t offset,
+         uint64_t count, uint64_t max_len) {
+        const uint8_t* p = buf.data();
+        const uint64_t end = buf.shape(0);
+        if (offset > end || count > (end - offset) / 8)  // each string at least its 8-byte length
+          throw std::invalid_argument("header runs past the end of the file (at byte " + std::to_string(offset) +
+                                      ", " + std::to_string(count) + " strings wanted)");
+        nb::list out;
+        uint64_t o = offset;
+        for (uint64_t i = 0; i < count; ++i) {
+          if (end - o < 8) throw std::invalid_argument("string array runs past the end of the file");
+          uint64_t n;
+          std::memcpy(&n, p + o, 8);
+          if (n > max_len)
+            throw std::invalid_argument("a string of " + std::to_string(n) + " bytes at byte " + std::to_string(o) +
+                                        " (limit " + std::to_string(max_len) + ")");
+          if (n > end - o - 8) throw std::invalid_argument("string array runs past the end of the file");
+          PyObject* str = PyUnicode_DecodeUTF8((const char*)p + o + 8, (Py_ssize_t)n, "replace");
+          if (!str) throw nb::python_error();
+          out.append(nb::steal(str));
+          o += 8 + n;
+        }
+        return nb::make_tuple(out, o);
+      },
+      "buf"_a, "offset"_a, "count"_a, "max_len"_a);
   m.def("step_allocations", &lj::step_allocations,
         "Heap allocations (operator new) made by this module's code inside steps, since import.");
 

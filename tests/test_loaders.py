@@ -665,3 +665,31 @@ def test_unknown_tensors_are_errors_that_name_them(tmp_path):
     w.close()
     with pytest.raises(ModelFormatError, match=r"'blk\.0\.attn_q_norm\.weight' is not part of a llama"):
         load_gguf(path)
+
+
+def test_gguf_string_arrays_parse_in_cpp_as_python_decodes_them():
+    """The C++ reader of GGUF string arrays (gguf_meta.Reader: token and merge lists) gives
+    Python's own UTF-8 decoding with invalid bytes replaced, the offset after the array, and a
+    ValueError (never a crash) for a length past the end or over the limit."""
+    import struct
+
+    import numpy as np
+
+    from llamajet import _core
+
+    strs = [b"hello", b"", b"\xc3\xa9t\xc3\xa9", b"\xff\xfe bad", "\U0001f600".encode(), b"a" * 300]
+    body = b"".join(struct.pack("<Q", len(s)) + s for s in strs)
+    buf = np.frombuffer(b"JUNK" + body + b"TAIL", np.uint8)
+    out, end = _core.gguf_string_array(buf, 4, len(strs), 1 << 20)
+    assert out == [s.decode("utf-8", errors="replace") for s in strs]
+    assert end == 4 + len(body)
+    with pytest.raises(ValueError, match="limit 299"):  # a string longer than the limit
+        _core.gguf_string_array(buf, 4, len(strs), 299)
+    cut = np.frombuffer(b"JUNK" + body[:-10], np.uint8)  # the last string runs past the end
+    with pytest.raises(ValueError, match="runs past the end"):
+        _core.gguf_string_array(cut, 4, len(strs), 1 << 20)
+    huge = np.frombuffer(struct.pack("<Q", 1 << 62) + b"x" * 8, np.uint8)  # a length that overflows o + n
+    with pytest.raises(ValueError, match="runs past the end"):
+        _core.gguf_string_array(huge, 0, 1, 1 << 63)
+    with pytest.raises(ValueError, match="past the end of the file"):  # more strings than bytes for them
+        _core.gguf_string_array(buf, 4, 10**9, 1 << 20)

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from llamajet import _core
 from llamajet.errors import ModelFormatError, UnsupportedModelError
 
 # ---------------------------------------------------------------- the file
@@ -173,6 +174,7 @@ class Reader:
         self.path = str(path)
         with open(path, "rb") as f:
             self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._u8 = np.frombuffer(self._mm, np.uint8) if len(self._mm) else np.zeros(0, np.uint8)
         self.data = np.memmap(path, mode="r", dtype=np.uint8)  # tensors are views of this map
         self.byte_order = "I"
         self.fields: dict[str, Field] = {}
@@ -214,18 +216,9 @@ class Reader:
             raise ValueError(f"an array of {count} elements at byte {self._o - 8} (limit {MAX_ARRAY_LEN})")
         if et == _STRING:
             self._need(count * 8)  # each string at least its 8-byte length
-            mm, o, out = self._mm, self._o, []
-            unpack = struct.Struct("<Q").unpack_from
-            end = len(mm)
-            for _ in range(count):
-                n = unpack(mm, o)[0]
-                if n > MAX_STRING_BYTES:
-                    raise ValueError(f"a string of {n} bytes at byte {o} (limit {MAX_STRING_BYTES})")
-                if o + 8 + n > end:
-                    raise ValueError("string array runs past the end of the file")
-                out.append(mm[o + 8 : o + 8 + n].decode("utf-8", errors="replace"))
-                o += 8 + n
-            self._o = o
+            # in C++ (each length checked against the file's end and MAX_STRING_BYTES, UTF-8
+            # decoded with invalid bytes replaced): the Python loop was 0.35 s of a Llama-3 load
+            out, self._o = _core.gguf_string_array(self._u8, self._o, count, MAX_STRING_BYTES)
             return out, [vt(_ARRAY), vt(et)], range(count)
         if et not in _NP:
             raise ValueError(f"unsupported array element type {et}")

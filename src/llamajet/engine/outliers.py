@@ -35,10 +35,14 @@ from llamajet.graph.planner import plan_memory
 # Tokens of PROBE_TEXT the probe runs: a prefill of them at load, so fewer on big models. On
 # SmolLM2-135M (20 WikiText-2 windows, benchmarks/default_path.py) 128 tokens gave KL 9.99e-4, 9.2e-4
 # on decode steps, 16 of 20 chat replies equal to float activations'; 32 tokens 9.93e-4, 1.09e-3, 15.
-# The probe of an 8B took 3.5 s at 128 tokens (its load 3.4 s without it): 32 there.
+# The probe of an 8B took 3.5 s at 128 tokens (its load 3.4 s without it): 32 there. A 1B's
+# (0.8 GB Q4_K_M) took 0.48 s of a 1.6 s load at 128 tokens: 64 there, between the two counts
+# SmolLM2 measured as equal.
 PROBE_TOKENS = 128
+PROBE_TOKENS_MEDIUM = 64
 PROBE_TOKENS_LARGE = 32
-LARGE_MODEL_BYTES = 2 << 30  # weights' bytes from which a model is "large" here
+MEDIUM_MODEL_BYTES = 512 << 20  # weights' bytes from which a model is "medium" here
+LARGE_MODEL_BYTES = 2 << 30  # ... and "large"
 
 # Our own text, mixed in register (narrative, technical, dialogue, lists, numbers, code): the
 # channels it lights up are the model's, not the text's, but a varied text finds more of them.
@@ -64,9 +68,12 @@ def probe_ids(tokenizer, n: int = PROBE_TOKENS) -> list[int]:
 
 
 def probe_tokens(model) -> int:
-    """How many probe tokens `model` runs (PROBE_TOKENS, or PROBE_TOKENS_LARGE from LARGE_MODEL_BYTES)."""
+    """How many probe tokens `model` runs: PROBE_TOKENS, PROBE_TOKENS_MEDIUM from
+    MEDIUM_MODEL_BYTES of weights, PROBE_TOKENS_LARGE from LARGE_MODEL_BYTES."""
     size = sum(w.data.nbytes for w in model.weights.values())
-    return PROBE_TOKENS if size < LARGE_MODEL_BYTES else PROBE_TOKENS_LARGE
+    if size >= LARGE_MODEL_BYTES:
+        return PROBE_TOKENS_LARGE
+    return PROBE_TOKENS_MEDIUM if size >= MEDIUM_MODEL_BYTES else PROBE_TOKENS
 
 
 def load_probe(tokenizer, model, cfg) -> list[int] | None:
@@ -104,7 +111,16 @@ def input_absmax(graph: Graph, ids: list[int], *, isa: str, n_threads: int, max_
         return {}
     T = len(ids)
     probe = copy.copy(graph)
-    probe.outputs = list(graph.outputs) + [t for _, t, _ in targets]  # kept to the end of the step
+    probe.outputs = [t for _, t, _ in targets]  # kept to the end of the step
+    # only the nodes the targets need (backwards from them; kv_write stays, as attention reads
+    # its state): the LM head's matmul and argmax go, a fifth of the probe's multiply-adds at 1B
+    # (T x 128,256 x 2,048), and 0.15 s of a 1B Q4_K_M load's 0.59 s probe
+    live, kept = set(probe.outputs), []
+    for n in reversed(graph.nodes):
+        if any(t in live for t in n.writes()):
+            kept.append(n)
+            live.update(n.reads())
+    probe.nodes = kept[::-1]
     # every row is an output row: the LM head's input (the final norm of the gathered rows) must be
     # seen on every token, not on the last alone
     plan = plan_memory(probe, {"T": T, "O": T})
