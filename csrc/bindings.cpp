@@ -16,6 +16,7 @@
 #include <functional>
 #include <stdexcept>
 
+#include "kernels/packed_scalar.h"
 #include "runtime/cpu_features.h"
 #include "runtime/executor.h"
 #include "runtime/membench.h"
@@ -204,6 +205,34 @@ NB_MODULE(_core, m) {
           return nb::ndarray<nb::numpy, float, nb::ndim<2>>(out, 2, shape, owner);
         },
         "isa"_a, "kind"_a, "group"_a, "n"_a, "k"_a, "packed"_a, "n_threads"_a = 1);
+
+  // Columns `cols` of a packed [n, k] matrix as float32 [n, len(cols)]: each value
+  // as dequantize_packed gives it (kernels/packed_scalar.h), read from its own
+  // code and scales only. The outlier pass's weight columns: a one-hot
+  // float-activation matmul over every weight took 0.2 s of a 1B's load.
+  m.def("packed_columns",
+        [](lj::DType kind, int64_t g, int64_t n, int64_t k, nb::ndarray<const uint8_t, nb::c_contig, nb::device::cpu> packed,
+           nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> cols) {
+          check_packed_args("packed_columns", kind, g, n, k);
+          if ((int64_t)packed.nbytes() != lj::packed_bytes(kind, n, k, g))
+            throw std::invalid_argument("packed_columns: packed size does not match kind, shape and group");
+          const int64_t nc = (int64_t)cols.shape(0);
+          const int64_t* cs = cols.data();
+          for (int64_t j = 0; j < nc; ++j)
+            if (cs[j] < 0 || cs[j] >= k) throw std::invalid_argument("packed_columns: a column outside [0, k)");
+          float* out = new float[n * (nc ? nc : 1)];
+          nb::capsule owner(out, [](void* p) noexcept { delete[] (float*)p; });
+          const uint8_t* src = packed.data();
+          const int64_t tb = lj::packed_tile_bytes(kind, k, g);
+          {
+            nb::gil_scoped_release unlocked;
+            for (int64_t r = 0; r < n; ++r)
+              for (int64_t j = 0; j < nc; ++j) out[r * nc + j] = lj::packed_at(kind, src, tb, g, r, cs[j]);
+          }
+          size_t shape[2] = {(size_t)n, (size_t)nc};
+          return nb::ndarray<nb::numpy, float, nb::ndim<2>>(out, 2, shape, owner);
+        },
+        "kind"_a, "group"_a, "n"_a, "k"_a, "packed"_a, "cols"_a);
 
   // GGUF blocks -> packed twin tiles, threaded, from the file's memory into dst.
   m.def("repack_gguf",

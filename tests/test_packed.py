@@ -488,3 +488,24 @@ def test_gguf_twin_refusals():
 
     with pytest.raises(LlamajetError, match="no quantization target"):
         rtn_scheme("gguf_q4_k")
+
+
+@pytest.mark.parametrize("name", GGUF_TYPES[3:] + ["int4_asym_g32", "int4_sym_g128", "int8_g32"])
+def test_packed_columns_are_the_dequantized_values(name):
+    """_core.packed_columns (the outlier pass's weight columns) gives each value of the chosen
+    columns bit for bit as the numpy dequantization (for the GGUF twins: gguf's own), over
+    padded tiles, every group position and super-block; a column outside [0, k) is refused."""
+    n, k = 37, 512
+    if name in GGUF_TYPES:
+        pw, raw, qt = _twin(name, n, k, seed=7)
+        ref = gguf.quants.dequantize(raw, qt).reshape(n, k).astype(np.float32)  # the external reference
+    else:
+        pw = quantize_rtn("w", np.random.default_rng(7).normal(size=(n, k)).astype(np.float32), get_scheme(name))
+        ref = dequantize(pw).astype(np.float32)
+    cols = np.array([0, 1, 7, 8, 15, 16, 31, 32, 255, 256, 300, 511], np.int64)
+    got = ops._core.packed_columns(ops.dtype(pw.dtype), pw.group, n, k, pw.data.reshape(-1), cols)
+    np.testing.assert_array_equal(got, ref[:, cols])
+    with pytest.raises(ValueError, match="outside"):
+        ops._core.packed_columns(ops.dtype(pw.dtype), pw.group, n, k, pw.data.reshape(-1), np.array([k], np.int64))
+    with pytest.raises(ValueError, match="size"):
+        ops._core.packed_columns(ops.dtype(pw.dtype), pw.group, n + 16, k, pw.data.reshape(-1), cols)

@@ -26,7 +26,7 @@ import math
 
 import numpy as np
 
-from llamajet import ops
+from llamajet import _core, ops
 from llamajet.graph.ir import Graph
 from llamajet.graph.lower import KVLayout, lower
 from llamajet.graph.passes.outliers import quantized_inputs
@@ -164,15 +164,18 @@ def choose(absmax: dict[str, np.ndarray], k: int) -> dict[str, np.ndarray]:
 
 
 def kernel_columns(isa: str, n_threads: int):
-    """columns(w, cols) -> W[:, cols] [N, k] float32, from the kernels themselves: one
-    float-activation matmul of the weight with the k one-hot rows e_c (each output is
-    w_c * 1 plus zeros: the weight's dequantized value, exactly). One pass over the weight's
-    bytes, in C++, for any storage type the kernels run; no float copy of the matrix (a
-    whole-matrix dequantization took 0.7-1.8 s of SmolLM2's load, and 8B's matrices are 1000x)."""
+    """columns(w, cols) -> W[:, cols] [N, k] float32, the weight's dequantized values: for
+    packed weights read value by value from their codes and scales (_core.packed_columns, the
+    scalar spec of the kernels' dequantization); for the other storage types from the kernels
+    themselves, one float-activation matmul of the weight with the k one-hot rows e_c (each
+    output is w_c * 1 plus zeros). No float copy of the matrix (a whole-matrix dequantization
+    took 0.7-1.8 s of SmolLM2's load, and 8B's matrices are 1000x)."""
 
     def columns(w, cols) -> np.ndarray:
         cols = np.asarray(cols, np.int64)
         k, (N, K) = len(cols), w.shape
+        if w.packed:  # each value read from its own code and scales (0.2 s -> 0.01 s of a 1B's load)
+            return _core.packed_columns(w.code, w.group, N, K, np.ascontiguousarray(w.data).reshape(-1), cols)
         ex = ops.Executor(isa=isa, n_threads=n_threads, max_tokens=k, max_out=k, max_seqs=1, max_blocks=1,
                           kv_slots=16, block_size=16, max_pos=1, scratch_floats=0)
         xb, ob = ex.alloc_buffer(4 * k * K), ex.alloc_buffer(4 * k * N)
