@@ -174,7 +174,7 @@ class Reader:
         self.path = str(path)
         with open(path, "rb") as f:
             self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        self._u8 = np.frombuffer(self._mm, np.uint8) if len(self._mm) else np.zeros(0, np.uint8)
+        self._u8 = np.frombuffer(self._mm, np.uint8)  # the same bytes as uint8, for _core readers
         self.data = np.memmap(path, mode="r", dtype=np.uint8)  # tensors are views of this map
         self.byte_order = "I"
         self.fields: dict[str, Field] = {}
