@@ -18,33 +18,10 @@ import time
 
 import numpy as np
 
+from gemv_bandwidth import build  # the same chain builder, here at the 1B's shapes
 from llamajet import _core, ops
-from llamajet.formats.packed import quantize_rtn
 
 SHAPES = [(2048, 2048), (512, 2048), (512, 2048), (2048, 2048), (8192, 2048), (8192, 2048), (2048, 8192)]
-
-
-def build(isa, scheme, layers, rng, m, a16):
-    ex = ops.Executor(isa=isa, n_threads=ops.default_threads(), max_tokens=m, max_out=m, max_seqs=1, max_blocks=1,
-                      kv_slots=16, block_size=16, max_pos=1, scratch_floats=0)
-    xb = ex.alloc_buffer(4 * 8192 * m)
-    ex.buffer(xb).view(np.float32)[:] = rng.normal(size=8192 * m)
-    ob = ex.alloc_buffer(4 * 8192 * m)
-    keep, nbytes = [], 0
-    base = {s: quantize_rtn("w", rng.normal(size=s).astype(np.float32), scheme) for s in set(SHAPES)}
-    for _ in range(layers):
-        for (n, k) in SHAPES:
-            pw = base[(n, k)]
-            data = pw.data.copy()  # a distinct copy per layer: nothing stays cached
-            keep.append(data)
-            nbytes += data.nbytes
-            p = ops.OPS["matmul"]()
-            p.x = ops.Ref.in_buffer(xb, 0, ops.DType.F32, m, k)
-            p.w = ops.Ref.from_array(data, ops.dtype(pw.dtype), n, k, pw.group)
-            p.out = ops.Ref.in_buffer(ob, 0, ops.DType.F32, m, n)
-            p.float_act = a16
-            ex.add(p)
-    return ex, keep, nbytes
 
 
 def main() -> None:
@@ -58,7 +35,8 @@ def main() -> None:
     isa = ops.resolve_isa(a.isa)
     rng = np.random.default_rng(0)
     z, bt = np.zeros(a.m, np.int32), np.zeros((1, 1), np.int32)
-    exs = {a16: build(isa, a.scheme, a.layers, rng, a.m, a16) for a16 in (False, True)}
+    exs = {a16: build(isa, ops.default_threads(), a.scheme, a.layers, rng, a.m, SHAPES, a16)
+           for a16 in (False, True)}
     best = {a16: float("inf") for a16 in exs}
     for _ in range(a.rounds):
         for a16, (ex, _, _) in exs.items():

@@ -23,18 +23,20 @@ from llamajet.formats.packed import quantize_rtn
 SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 
 
-def build(isa, threads, scheme, layers, rng, m=1):
-    """The matmul chain (SHAPES x layers, distinct weight copies) at m rows;
-    returns the executor, the weights it reads and their bytes."""
+def build(isa, threads, scheme, layers, rng, m=1, shapes=SHAPES, a16=False):
+    """The matmul chain (shapes x layers, distinct weight copies) at m rows, with
+    int8 activations or (a16) float ones; returns the executor, the weights it
+    reads and their bytes."""
     ex = ops.Executor(isa=isa, n_threads=threads, max_tokens=m, max_out=m, max_seqs=1, max_blocks=1,
                       kv_slots=16, block_size=16, max_pos=1, scratch_floats=1 << 16)
-    xb = ex.alloc_buffer(4 * 1536 * m)
-    ex.buffer(xb).view(np.float32)[:] = rng.normal(size=1536 * m)
-    ob = ex.alloc_buffer(4 * 1536 * m)
+    width = max(max(s) for s in shapes)
+    xb = ex.alloc_buffer(4 * width * m)
+    ex.buffer(xb).view(np.float32)[:] = rng.normal(size=width * m)
+    ob = ex.alloc_buffer(4 * width * m)
     keep, nbytes = [], 0
-    base = {s: quantize_rtn("w", rng.normal(size=s).astype(np.float32), scheme) for s in set(SHAPES)}
+    base = {s: quantize_rtn("w", rng.normal(size=s).astype(np.float32), scheme) for s in set(shapes)}
     for _ in range(layers):
-        for (n, k) in SHAPES:
+        for (n, k) in shapes:
             pw = base[(n, k)]
             data = pw.data.copy()  # a distinct copy per layer: nothing stays cached
             keep.append(data)
@@ -43,6 +45,7 @@ def build(isa, threads, scheme, layers, rng, m=1):
             p.x = ops.Ref.in_buffer(xb, 0, ops.DType.F32, m, k)
             p.w = ops.Ref.from_array(data, ops.dtype(pw.dtype), n, k, pw.group)
             p.out = ops.Ref.in_buffer(ob, 0, ops.DType.F32, m, n)
+            p.float_act = a16
             ex.add(p)
     return ex, keep, nbytes
 
