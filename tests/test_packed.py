@@ -470,11 +470,15 @@ def test_gguf_twins_matmul_a16_and_embedding(isa, name):
 @pytest.mark.parametrize("isa", WIDE)
 @pytest.mark.parametrize("name", GGUF_TYPES[3:])
 def test_gguf_twins_rows_do_not_depend_on_batch(isa, name):
+    """Every row the bits it has alone: 35 rows (on amx, two 16-row tile blocks with the whole
+    tile unpacked, then the vpdpbusd rows) and 20 (one block: its groups unpacked one at a time
+    into the ring, K = 1536 > 1024), for each kind the amx tier multiplies on tiles (Q4_K too)."""
     pw, _, _ = _twin(name, 48, 1536, seed=9)
-    x = (np.random.default_rng(9).normal(size=(35, 1536)) * 3).astype(np.float32)
-    got = _run_matmul(isa, 2, x, pw, a16=False)
-    alone = np.stack([_run_matmul(isa, 1, x[m : m + 1], pw, a16=False)[0] for m in range(len(x))])
-    np.testing.assert_array_equal(got, alone)
+    for M in (35, 20):
+        x = (np.random.default_rng(M).normal(size=(M, 1536)) * 3).astype(np.float32)
+        got = _run_matmul(isa, 2, x, pw, a16=False)
+        alone = np.stack([_run_matmul(isa, 1, x[m : m + 1], pw, a16=False)[0] for m in range(len(x))])
+        np.testing.assert_array_equal(got, alone)
 
 
 def test_gguf_twin_refusals():
