@@ -8,7 +8,10 @@ greedy, the same random prompt ids (a new prompt every round: nothing is
 reused). Prints prefill (128-token prompt) and decode (64 new tokens) tok/s,
 peak RSS, llamajet's weight bytes per token over the read bandwidth measured
 in the same run (the decode floor), and kernels='a16' decode against the
-default on the same int4_asym_g32 weights.
+default on the same int4_asym_g32 weights. The int8_g128 row: int8 with one
+scale per 128 (weights and activations), a quarter of int8_g32's per-group
+rescaling work in the AMX prefill, in the same processes' rounds as the
+default and transformers.
 """
 
 from __future__ import annotations
@@ -84,12 +87,13 @@ def main(argv=None) -> int:
         make_random_gguf.write_hf(folder, "1b")
     engines = [("llamajet (default: int8_g32 at load)", "llamajet", {}),
                ("transformers bf16", "transformers", {}),
+               ("llamajet int8_g128", "llamajet", {"quantize": "int8_g128"}),
                ("llamajet int4_asym_g32 fast", "llamajet", {"quantize": "int4_asym_g32"}),
                ("llamajet int4_asym_g32 a16", "llamajet", {"quantize": "int4_asym_g32", "kernels": "a16"})]
     bw = _core.read_bandwidth(1 << 30, ops.default_threads())  # bytes/s, in the same run
     ctx = mp.get_context("spawn")
     rows = []
-    for pair in (engines[:2], engines[2:]):
+    for pair in (engines[:3], engines[3:]):
         conns, procs, wb = [], [], []
         for name, eng, opt in pair:
             p, c = ctx.Pipe()
@@ -118,7 +122,8 @@ def main(argv=None) -> int:
         floor = f"{dec / (bw / w):6.0%}" if w else "    -"
         print(f"{name:40s} {pre:12.1f} {dec:8.1f} {rss:7.0f}Mi {w / 2**20:7.0f}Mi {floor}")
     print(f"read bandwidth {bw / 1e9:.1f} GB/s; floor = decode / (bandwidth / weight bytes per token)")
-    print(f"prefill vs transformers: {rows[0][1] / rows[1][1]:.2f}x; a16 / fast decode on int4: {rows[3][2] / rows[2][2]:.2f}")
+    print(f"prefill vs transformers: {rows[0][1] / rows[1][1]:.2f}x (int8_g128: {rows[2][1] / rows[1][1]:.2f}x); "
+          f"a16 / fast decode on int4: {rows[4][2] / rows[3][2]:.2f}")
     return 0
 
 

@@ -326,14 +326,15 @@ WIDE = [i for i in ISAS if i in ("avx512", "amx")]
 @pytest.mark.parametrize("isa", WIDE)
 @pytest.mark.parametrize("scheme", [s for s in SCHEMES if s.name in
                                     ("int4_sym_g32", "int4_asym_g32", "int4_asym_g16", "int4_asym_g128",
-                                     "int8_g32", "int8_pc")], ids=lambda s: s.name)
+                                     "int8_g32", "int8_g64", "int8_g128", "int8_pc")], ids=lambda s: s.name)
 def test_matmul_a8_rows_do_not_depend_on_batch_or_path(isa, scheme):
     """A row's W*A8 result is the same bits whichever row block computes it:
     alone (M = 1, vpdpbusd), in 8- and 4-row blocks, or in a 16-row AMX tile
     (amx tier: rows [0, 32) here, the other 3 on the vpdpbusd path), and the
     same on the avx512 and amx tiers — what batched == alone generation rests on.
-    M = 19 is one AMX row block, whose int4 groups are unpacked one at a time
-    into a ring instead of the whole tile at once (K = 1536: 48 groups).
+    M = 19 is one AMX row block, whose groups are unpacked (int8: copied) one
+    at a time into a ring instead of the whole tile at once (K = 1536: 48
+    groups of 32; groups of 128 take the whole tile).
     The values themselves are checked against numpy in the test above."""
     rng = np.random.default_rng(11)
     N = 48

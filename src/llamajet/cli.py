@@ -274,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("input", help="HF folder, .gguf file, or a llamajet saved folder")
     q.add_argument("output", help="folder to write (llamajet.json, model.safetensors, tokenizer)")
     q.add_argument("--scheme", "-s", required=True,
-                   help="a scheme name (int4_sym_g32, int4_asym_g32, int8_g32, int8_pc, ...) or 'keep': "
+                   help="a scheme name (int4_sym_g32, int4_asym_g32, int8_g32, int8_g128, int8_pc, ...) or 'keep': "
                         "GGUF Q4_0/Q4_1/Q8_0 repacked without loss, float matrices left as they are")
     q.add_argument("--force", action="store_true", help="write into a non-empty output folder")
     q.add_argument("--method", default="rtn", choices=("rtn", "gptq", "awq", "awq-gptq", "smoothquant", "qat"),

@@ -100,7 +100,8 @@ def register(s: QuantScheme) -> QuantScheme:
 for _g in (16, 32, 64, 128):
     register(QuantScheme(f"int4_sym_g{_g}", 4, _g, True))
     register(QuantScheme(f"int4_asym_g{_g}", 4, _g, False))
-register(QuantScheme("int8_g32", 8, 32, True))
+for _g in (32, 64, 128):
+    register(QuantScheme(f"int8_g{_g}", 8, _g, True))
 register(QuantScheme("int8_pc", 8, 0, True))
 register(QuantScheme("gguf_q5_0", 5, 32, True, "pk_i5s"))
 register(QuantScheme("gguf_q5_1", 5, 32, False, "pk_i5a"))
