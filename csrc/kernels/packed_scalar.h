@@ -59,13 +59,25 @@ inline float packed_value(int32_t t, float d, float m, int32_t code) {
 }
 
 
+// Where group g of a tile is (the scalar twin of matmul.inc's group_at): its
+// (tile, super-block) block, its codes, its index j in the super-block.
+struct PackedGroup {
+  const uint8_t* sb;
+  const uint8_t* codes;
+  int64_t j;
+};
+inline PackedGroup packed_group(int32_t t, const uint8_t* tile, int64_t g, int64_t G) {
+  const int64_t S = packed_super(t);
+  const uint8_t* sb = tile + (g / S) * packed_block_bytes(t, G);
+  return {sb, sb + (g % S) * packed_group_code_bytes(t, G), g % S};
+}
+
 // Row r's value at column c of a packed [n, K] matrix (tile bytes tb).
 inline float packed_at(int32_t t, const uint8_t* data, int64_t tb, int64_t G, int64_t r, int64_t c) {
-  const int64_t S = packed_super(t), g = c / G;
-  const uint8_t* sb = data + (r / TILE) * tb + (g / S) * packed_block_bytes(t, G);
+  const PackedGroup p = packed_group(t, data + (r / TILE) * tb, c / G, G);
   float d, m;
-  packed_scales(t, sb, g % S, G, r % TILE, d, m);
-  return packed_value(t, d, m, packed_code(t, sb + (g % S) * packed_group_code_bytes(t, G), G, r % TILE, c % G));
+  packed_scales(t, p.sb, p.j, G, r % TILE, d, m);
+  return packed_value(t, d, m, packed_code(t, p.codes, G, r % TILE, c % G));
 }
 
 }  // namespace lj

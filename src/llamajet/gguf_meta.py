@@ -167,6 +167,12 @@ class Tensor:
 
 
 class Reader:
+    def release_pages(self) -> None:
+        """Drop the file's pages from this process's resident set (the map is
+        read-only: a page read again faults back in)."""
+        if hasattr(self._mm, "madvise"):
+            self._mm.madvise(mmap.MADV_DONTNEED)
+
     def __init__(self, path: str | Path):
         import gguf  # only GGUF users pay for importing it
 
@@ -174,8 +180,8 @@ class Reader:
         self.path = str(path)
         with open(path, "rb") as f:
             self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        self._u8 = np.frombuffer(self._mm, np.uint8)  # the same bytes as uint8, for _core readers
-        self.data = np.memmap(path, mode="r", dtype=np.uint8)  # tensors are views of this map
+        # the file as bytes: tensors are views of it, _core readers take it (one map for both)
+        self.data = np.frombuffer(self._mm, np.uint8)
         self.byte_order = "I"
         self.fields: dict[str, Field] = {}
         self.tensors: list[Tensor] = []
@@ -218,7 +224,7 @@ class Reader:
             self._need(count * 8)  # each string at least its 8-byte length
             # in C++ (each length checked against the file's end and MAX_STRING_BYTES, UTF-8
             # decoded with invalid bytes replaced): the Python loop was 0.35 s of a Llama-3 load
-            out, self._o = _core.gguf_string_array(self._u8, self._o, count, MAX_STRING_BYTES)
+            out, self._o = _core.gguf_string_array(self.data, self._o, count, MAX_STRING_BYTES)
             return out, [vt(_ARRAY), vt(et)], range(count)
         if et not in _NP:
             raise ValueError(f"unsupported array element type {et}")

@@ -112,15 +112,11 @@ def release_file_pages(model: LoadedModel) -> None:
     reader's metadata arrays (the tokenizer and config are built by then).
     Weights still used as views of the file (norms) fault back in on demand;
     the mapping is read-only, so nothing is lost."""
-    import mmap
-
     reader = model.gguf_reader
     if reader is None:
         return
     reader.fields.clear()
-    mm = getattr(reader.data, "_mmap", None)
-    if mm is not None and hasattr(mm, "madvise"):
-        mm.madvise(mmap.MADV_DONTNEED)
+    reader.release_pages()
     trim_heap()
 
 
