@@ -62,7 +62,9 @@ class GGUFMeta:
 
     def __init__(self, reader: Any) -> None:
         self.fields = reader.fields
-        self.name = str(getattr(getattr(reader, "data", None), "filename", None) or "<gguf>")
+        # our Reader names its file (its data is a plain view of the map); gguf's GGUFReader maps with np.memmap
+        self.name = str(getattr(reader, "path", None) or getattr(getattr(reader, "data", None), "filename", None)
+                        or "<gguf>")
 
     def has(self, key: str) -> bool:
         return key in self.fields
