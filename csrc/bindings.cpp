@@ -74,7 +74,8 @@ NB_MODULE(_core, m) {
       .value("PK_I4S", lj::PK_I4S).value("PK_I4A", lj::PK_I4A).value("PK_I8", lj::PK_I8)
       .value("I32", lj::I32).value("Q8_ACT", lj::Q8_ACT)
       .value("PK_I5S", lj::PK_I5S).value("PK_I5A", lj::PK_I5A).value("PK_Q4K", lj::PK_Q4K)
-      .value("PK_Q5K", lj::PK_Q5K).value("PK_Q6K", lj::PK_Q6K).value("KV_I8", lj::KV_I8);
+      .value("PK_Q5K", lj::PK_Q5K).value("PK_Q6K", lj::PK_Q6K).value("KV_I8", lj::KV_I8)
+      .value("Q8_ACTK", lj::Q8_ACTK);
 #define LJ_KIND_VALUE(KIND, name, P, FIELDS, kernel) .value(#name, lj::KIND)
   nb::enum_<lj::OpKind>(m, "OpKind", nb::is_arithmetic(), "Op kinds, by the graph's op names (kernels/ops.h)") LJ_OPS(LJ_KIND_VALUE);
 #undef LJ_KIND_VALUE
@@ -107,6 +108,14 @@ NB_MODULE(_core, m) {
           if (!lj::is_packed(t)) throw std::invalid_argument("packed_super: a packed type");
           return lj::packed_super(t);
         }, "dtype"_a, "Groups per super-block of a packed type (1, or the K-quants' 8 / 16).");
+  m.def("packed_act_dtype", [](lj::DType t) {
+          if (!lj::is_packed(t)) throw std::invalid_argument("packed_act_dtype: a packed type");
+          return (lj::DType)lj::packed_act_dtype(t);
+        }, "dtype"_a, "The int8 activation type a packed type's W*A8 kernels read (Q8_ACTK for the K-quants).");
+  m.def("qact_span", [](lj::DType t, int64_t g) {
+          if (!lj::is_qact(t)) throw std::invalid_argument("qact_span: Q8_ACT or Q8_ACTK");
+          return lj::qact_span(t, g);
+        }, "dtype"_a, "group"_a, "Values sharing one scale in a quantized activation row of groups of `group`.");
   m.def("packed_fixed_group", [](lj::DType t) {
           if (!lj::is_packed(t)) throw std::invalid_argument("packed_fixed_group: a packed type");
           return lj::packed_fixed_group(t);

@@ -48,11 +48,21 @@ enum DType : int32_t {
   PK_Q5K = 14,  // Q5_K: as PK_Q4K, c in 0..31
   PK_Q6K = 15,  // Q6_K: 16 groups of 16 per super-block, w = (D * sc) * (c - 32)  c in 0..63, sc int8
   KV_I8 = 16,  // KV cache only: per (slot, kv head) fp32 scale then head_dim int8; x = scale * q
-  DTYPE_MAX = 16
+  // Q8_ACT's layout, but one scale per QK_K = 256 values (llama.cpp's Q8_K
+  // rule), written into each of the span's groups (sums stay per group): the
+  // input of the K-quant weights (PK_Q4K, PK_Q5K, PK_Q6K), whose kernels then
+  // sum a whole super-block in integers (matmul.inc, tile_a8).
+  Q8_ACTK = 17,
+  DTYPE_MAX = 17
 };
 
 constexpr int64_t TILE = 16;  // rows per packed tile
 constexpr int64_t QK = 32;    // elements per GGML quant block
+constexpr int64_t QK_K = 256; // elements per K-quant super-block (and per Q8_ACTK scale)
+
+static inline bool is_qact(int32_t t) { return t == Q8_ACT || t == Q8_ACTK; }
+// Values sharing one scale in a quantized activation row of groups of g.
+static inline int64_t qact_span(int32_t t, int64_t g) { return t == Q8_ACTK ? QK_K : g; }
 
 static inline bool is_packed(int32_t t) { return (t >= PK_I4S && t <= PK_I8) || (t >= PK_I5S && t <= PK_Q6K); }
 static inline bool is_ggml_block(int32_t t) { return t == Q8_0 || t == Q4_0 || t == Q4_1; }
@@ -86,6 +96,10 @@ static inline int64_t packed_tail_bytes(int32_t t) {
     default: return 2 * TILE;
   }
 }
+
+// The activation type a packed kind's W*A8 kernels read: the K-quants sum a
+// super-block in integers, so their input rows share one scale per 256.
+static inline int32_t packed_act_dtype(int32_t t) { return t == PK_Q4K || t == PK_Q5K || t == PK_Q6K ? Q8_ACTK : Q8_ACT; }
 
 // Bytes of one (tile, super-block) block of a packed format with group length g.
 static inline int64_t packed_block_bytes(int32_t t, int64_t g) {
@@ -167,7 +181,7 @@ static inline int64_t tensor_bytes(int32_t t, int64_t rows, int64_t cols, int64_
     if (group == 0 || (packed_fixed_group(t) && group != packed_fixed_group(t))) return -1;
     const I s = packed_super(t), ng = (cols + group - 1) / group;
     n = (I)((rows + TILE - 1) / TILE) * ((ng + s - 1) / s) * packed_block_bytes(t, group);
-  } else if (t == Q8_ACT) {
+  } else if (is_qact(t)) {
     if (group == 0) return -1;
     const I ng = (cols + group - 1) / group;
     n = ((I)rows * ng * group + 63) / 64 * 64 + 8 * (I)rows * ng;

@@ -134,9 +134,10 @@ def kquant_model(tmp_path_factory):
     return path, hf
 
 
-def _logits(path, kernels, ids):
+def _logits(path, kernels, ids, **options):
     runner = ModelRunner(load_model(path), RuntimeConfig(max_model_len=256, max_tokens_per_step=64, kv_dtype="f32",
-                                                         kv_cache_tokens=256, kv_prefault=False, kernels=kernels))
+                                                         kv_cache_tokens=256, kv_prefault=False, kernels=kernels,
+                                                         **options))
     kinds = {w.dtype for w in runner.weights.values()}
     bm = BlockManager(runner.num_blocks, runner.block_size)
     table: list[int] = []
@@ -156,8 +157,9 @@ def test_kquant_mix_matches_transformers(kquant_model):
     a16, kinds = _logits(path, "a16", ids)
     assert np.abs(a16 - ref).max() / np.abs(ref).max() <= 1e-4
     assert {"pk_q4k", "pk_q5k", "pk_q6k", "pk_i5s"} <= kinds, kinds
-    # the fast path: int8 activations (per 32, per 16 for Q6_K) add noise, not
-    # error: KL against the reference distribution (as the SmolLM2 test)
+    # the fast path: int8 activations (one scale per 256 for the K-quants, as
+    # llama.cpp's Q8_K; per 32 for Q5_0) add noise, not error: KL against the
+    # reference distribution (as the SmolLM2 test)
     fast, _ = _logits(path, "fast", ids)
     la, lb = ref - ref.max(-1, keepdims=True), fast - fast.max(-1, keepdims=True)
     pa = la - np.log(np.exp(la).sum(-1, keepdims=True))
@@ -167,3 +169,16 @@ def test_kquant_mix_matches_transformers(kquant_model):
     assert (fast.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
     ref_path, _ = _logits(path, "reference", ids)  # weights dequantized to fp32 at load
     assert np.abs(ref_path - ref).max() / np.abs(ref).max() <= 1e-4
+
+
+def test_kquant_inputs_quantized_once_equal_each_matmul_quantizing_its_own(kquant_model):
+    """The K-quants' int8 inputs (Q8_ACTK: one scale per 256) made by the fused
+    producers (add_rmsnorm's quantize-on-write, the quantize op before
+    ffn_down) and by each matmul's own input stage (fuse=False) are the same
+    codes, so the logits are the same bits; act_outliers=0 keeps the graphs
+    comparable (the outlier channels ride on the fused producers only)."""
+    path, _ = kquant_model
+    ids = np.random.default_rng(2).integers(0, 512, size=32).tolist()
+    fused, _ = _logits(path, "fast", ids, act_outliers=0)
+    plain, _ = _logits(path, "fast", ids, act_outliers=0, fuse=False)
+    np.testing.assert_array_equal(fused, plain)

@@ -132,16 +132,21 @@ def test_activation_quantization_is_the_documented_rule():
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("K,G", [(576, 32), (1536, 32), (96, 32), (100, 32), (576, 16), (576, 64)])
-def test_cpp_activation_quantization_equals_numpy_bit_for_bit(isa, K, G):
+@pytest.mark.parametrize("K,G,dt", [(576, 32, "q8_act"), (1536, 32, "q8_act"), (96, 32, "q8_act"), (100, 32, "q8_act"),
+                                    (576, 16, "q8_act"), (576, 64, "q8_act"),
+                                    (512, 32, "q8_actk"), (1536, 32, "q8_actk"), (768, 16, "q8_actk")])
+def test_cpp_activation_quantization_equals_numpy_bit_for_bit(isa, K, G, dt):
     """The kernels' activation quantizer (here through add_rmsnorm's
     quantize-on-write, the same quantize_row the matmuls' input stage runs)
     against quantize_activations on the op's own normalized rows: codes,
     scales and sums bit for bit. K = 576 / 1536 with groups of 32 take the
     AVX-512 batched path (16 groups per batch, 576: a batch of 2 after one of
     16); K = 96 (3 groups, below the batched path's 8), K = 100 (not a
-    multiple of G) and G = 16 / 64 the per-group loop. Then the quantize op
-    (each thread a contiguous share of the groups) on x: the same bits."""
+    multiple of G) and G = 16 / 64 the per-group loop. q8_actk (the K-quants'
+    input: one scale per 256 values, written into each of the span's groups):
+    groups of 32 (Q4_K, Q5_K) and 16 (Q6_K). Then the quantize op (each thread
+    a contiguous share of the groups, whole spans for q8_actk) on x: the same bits."""
+    span = ops.qact_span(dt, G)
     rng = np.random.default_rng(K + G)
     M = 6
     x = rng.normal(size=(M, K)).astype(np.float32) * np.float32(3.0)
@@ -156,12 +161,12 @@ def test_cpp_activation_quantization_equals_numpy_bit_for_bit(isa, K, G):
     ex = _exe(isa, 2, M)
     xb, hb, qb = ex.alloc_buffer(4 * M * K), ex.alloc_buffer(4 * M * K), ex.alloc_buffer(qbytes)
     ex.buffer(xb).view(np.float32)[:] = x.ravel()
-    assert ops.tensor_bytes("q8_act", M, K, G) == qbytes  # the layout read back below
+    assert ops.tensor_bytes(dt, M, K, G) == qbytes  # the layout read back below
     p = ops.OPS["add_rmsnorm"]()
     p.x = ops.Ref.in_buffer(xb, 0, ops.DType.F32, ops.ROWS_TOKENS, K)
     p.w = ops.Ref.from_array(w, ops.DType.F32, 1, K)
     p.out = ops.Ref.in_buffer(hb, 0, ops.DType.F32, ops.ROWS_TOKENS, K)
-    p.qout = ops.Ref.in_buffer(qb, 0, ops.DType.Q8_ACT, ops.ROWS_TOKENS, K, G)
+    p.qout = ops.Ref.in_buffer(qb, 0, ops.dtype(dt), ops.ROWS_TOKENS, K, G)
     p.eps = 1e-5
     ex.add(p)
     z = np.zeros(M, np.int32)
@@ -172,13 +177,13 @@ def test_cpp_activation_quantization_equals_numpy_bit_for_bit(isa, K, G):
     q = raw[:M * kpad].view(np.int8).reshape(M, kpad)
     dx = raw[qoff:qoff + 4 * M * ng].view(np.float32).reshape(M, ng)
     sq = raw[qoff + 4 * M * ng:qoff + 8 * M * ng].view(np.int32).reshape(M, ng)
-    wq, wdx, wsq = quantize_activations(h, G, kpad)
+    wq, wdx, wsq = quantize_activations(h, G, kpad, span)
     np.testing.assert_array_equal(q, wq)
     np.testing.assert_array_equal(dx.view(np.uint32), wdx.view(np.uint32))
     np.testing.assert_array_equal(sq, wsq)
     assert np.all(q[1] == 0) and np.all(dx[1] == 0)
     # the quantize op (ffn_quant) on x itself, its groups split over 1-3 threads
-    wq, wdx, wsq = quantize_activations(x, G, kpad)
+    wq, wdx, wsq = quantize_activations(x, G, kpad, span)
     for nth in (1, 2, 3):
         ex = _exe(isa, nth, M)
         xb, qb = ex.alloc_buffer(4 * M * K), ex.alloc_buffer(qbytes)
@@ -186,7 +191,7 @@ def test_cpp_activation_quantization_equals_numpy_bit_for_bit(isa, K, G):
         ex.buffer(qb)[:] = 0xA5
         p = ops.OPS["quantize"]()
         p.x = ops.Ref.in_buffer(xb, 0, ops.DType.F32, ops.ROWS_TOKENS, K)
-        p.out = ops.Ref.in_buffer(qb, 0, ops.DType.Q8_ACT, ops.ROWS_TOKENS, K, G)
+        p.out = ops.Ref.in_buffer(qb, 0, ops.dtype(dt), ops.ROWS_TOKENS, K, G)
         ex.add(p)
         ex.run(z, z, z, z, np.zeros((1, 1), np.int32), np.zeros(0, np.int32))
         raw = ex.buffer(qb)

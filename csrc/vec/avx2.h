@@ -62,6 +62,14 @@ inline VecI dot_s8s8(VecI acc, VecI w, int32_t x4) {
   return {_mm256_add_epi32(acc.v, _mm256_madd_epi16(p16, _mm256_set1_epi16(1)))};
 }
 inline VecI iadd(VecI a, VecI b) { return {_mm256_add_epi32(a.v, b.v)}; }
+// K-quant super-block sums (see vec/avx512.h; vpmaddwd + add for vpdpwssd)
+inline VecI imul(VecI a, VecI b) { return {_mm256_mullo_epi32(a.v, b.v)}; }
+inline VecI load_u8i(const uint8_t* p) { return {_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p))}; }
+inline VecI load_i8i(const int8_t* p) { return {_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))}; }
+inline VecI pair16(VecI lo, VecI hi) { return {_mm256_or_si256(lo.v, _mm256_slli_epi32(hi.v, 16))}; }
+inline VecI dot_s16x2(VecI acc, VecI a, int32_t x2) {
+  return {_mm256_add_epi32(acc.v, _mm256_madd_epi16(a.v, _mm256_set1_epi32(x2)))};
+}
 inline VecI isub(VecI a, int32_t b) { return {_mm256_sub_epi32(a.v, _mm256_set1_epi32(b))}; }
 inline VecF cvt(VecI a) { return {_mm256_cvtepi32_ps(a.v)}; }
 inline VecF load_h(const uint16_t* p) { return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p))}; }

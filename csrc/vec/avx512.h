@@ -62,6 +62,15 @@ inline VecI dot_u8s8_at(VecI acc, VecI w, const int8_t* p) {
 inline VecI prep_s8(VecI w) { return {_mm512_xor_si512(w.v, _mm512_set1_epi8((char)0x80))}; }
 inline VecI dot_s8s8_at(VecI acc, VecI wp, const int8_t* p) { return dot_u8s8_at(acc, wp, p); }
 inline VecI iadd(VecI a, VecI b) { return {_mm512_add_epi32(a.v, b.v)}; }
+// K-quant super-block sums (matmul.inc, tile_a8): lane-wise int32 product
+// (the per-row 6-bit / int8 scale times a group's dot product), W bytes widened
+// to int32 lanes, and acc + lo16(a) lo16(x2) + hi16(a) hi16(x2) per lane with
+// x2 one int32 broadcast to every lane (two int16 products: vpdpwssd).
+inline VecI imul(VecI a, VecI b) { return {_mm512_mullo_epi32(a.v, b.v)}; }
+inline VecI load_u8i(const uint8_t* p) { return {_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p))}; }
+inline VecI load_i8i(const int8_t* p) { return {_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))}; }
+inline VecI pair16(VecI lo, VecI hi) { return {_mm512_or_si512(lo.v, _mm512_slli_epi32(hi.v, 16))}; }
+inline VecI dot_s16x2(VecI acc, VecI a, int32_t x2) { return {_mm512_dpwssd_epi32(acc.v, a.v, _mm512_set1_epi32(x2))}; }
 inline VecI isub(VecI a, int32_t b) { return {_mm512_sub_epi32(a.v, _mm512_set1_epi32(b))}; }
 inline VecF cvt(VecI a) { return {_mm512_cvtepi32_ps(a.v)}; }
 inline VecF load_h(const uint16_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p))}; }

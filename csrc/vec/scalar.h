@@ -54,6 +54,16 @@ inline VecI dot_s8s8(VecI acc, VecI w, int32_t x4) {
   return {s};
 }
 inline VecI iadd(VecI a, VecI b) { return {a.v + b.v}; }
+// K-quant super-block sums (matmul.inc, tile_a8): the lane's int32 product,
+// a byte widened to the lane, the lane's two int16 halves (lo | hi << 16),
+// and acc + lo16(a) lo16(x2) + hi16(a) hi16(x2).
+inline VecI imul(VecI a, VecI b) { return {(int32_t)((uint32_t)a.v * (uint32_t)b.v)}; }
+inline VecI load_u8i(const uint8_t* p) { return {(int32_t)*p}; }
+inline VecI load_i8i(const int8_t* p) { return {(int32_t)*p}; }
+inline VecI pair16(VecI lo, VecI hi) { return {(int32_t)(((uint32_t)lo.v & 0xFFFFu) | ((uint32_t)hi.v << 16))}; }
+inline VecI dot_s16x2(VecI acc, VecI a, int32_t x2) {
+  return {acc.v + (int32_t)(int16_t)a.v * (int32_t)(int16_t)x2 + (int32_t)(int16_t)(a.v >> 16) * (int32_t)(int16_t)(x2 >> 16)};
+}
 inline VecI isub(VecI a, int32_t b) { return {a.v - b}; }
 inline VecF cvt(VecI a) { return {(float)a.v}; }
 inline VecF load_h(const uint16_t* p) { return {lj::f16_to_f32(*p)}; }

@@ -232,20 +232,24 @@ def rtn_dequant(w: np.ndarray, scheme: QuantScheme) -> np.ndarray:
 # ------------------------------------------------------------------ activations
 
 
-def quantize_activations(x: np.ndarray, g: int, k_pad: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def quantize_activations(x: np.ndarray, g: int, k_pad: int, span: int | None = None
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The matmul's input stage (numpy twin): each row of x [M, K], zero-padded
-    to k_pad, in groups of g: dx = amax/127, q = clip(rint(x * (127/amax)), -127, 127).
-    Returns q int8 [M, k_pad], dx float32 [M, k_pad/g], sum(q) int32 [M, k_pad/g]."""
+    to k_pad, in groups of g, one scale per span values (default g; the K-quants'
+    Q8_ACTK: 256): dx = amax/127 over the span, q = clip(rint(x * (127/amax)), -127, 127).
+    Returns q int8 [M, k_pad], dx float32 [M, k_pad/g] (a span's groups share
+    theirs), sum(q) int32 [M, k_pad/g]."""
     x = np.asarray(x, np.float32)
+    span = span or g
     M, K = x.shape
     xp = np.zeros((M, k_pad), np.float32)
     xp[:, :K] = x
-    xg = xp.reshape(M, k_pad // g, g)
-    amax = np.abs(xg).max(axis=-1)
-    dx = amax / np.float32(127)
+    xs = xp.reshape(M, k_pad // span, span)
+    amax = np.abs(xs).max(axis=-1)
+    dx = np.repeat(amax / np.float32(127), span // g, axis=-1)
     inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax != 0)
-    q = np.clip(np.rint(xg * inv[..., None]), -127, 127).astype(np.int8)
-    return q.reshape(M, k_pad), dx, q.astype(np.int32).sum(axis=-1)
+    q = np.clip(np.rint(xs * inv[..., None]), -127, 127).astype(np.int8)
+    return q.reshape(M, k_pad), dx, q.astype(np.int32).reshape(M, k_pad // g, g).sum(axis=-1)
 
 
 def group_scales(scheme: QuantScheme, parts: dict):
@@ -270,7 +274,7 @@ def matmul_a8_reference(x: np.ndarray, pw: Weight) -> np.ndarray:
     then the group's scales (the kernels do this part in fp32)."""
     codes, parts = unpack_parts(pw.scheme, pw.data, pw.shape)
     g, _, k_pad, _, ng = _geometry(pw.scheme, pw.shape)
-    q, dx, sq = quantize_activations(x, g, k_pad)
+    q, dx, sq = quantize_activations(x, g, k_pad, pw.scheme.act_span(pw.shape[1]))
     n = pw.shape[0]
     c = codes[:n].astype(np.int64).reshape(n, ng, g)
     acc = np.einsum("mgk,ngk->mng", q.astype(np.int64).reshape(-1, ng, g), c)  # exact integers

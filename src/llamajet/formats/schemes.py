@@ -60,6 +60,16 @@ class QuantScheme:
         return ops.packed_super(self.code)
 
     @property
+    def act_dtype(self) -> str:
+        """The int8 activation rows its W*A8 kernels read: "q8_actk" (one scale per
+        256 values, so a super-block sums in integers) for the K-quant twins, else "q8_act"."""
+        return ops.dtype_name(ops.packed_act_dtype(self.code))
+
+    def act_span(self, k: int) -> int:
+        """Activation values under one scale for rows of k elements (the group, or 256)."""
+        return ops.qact_span(self.act_dtype, self.group_for(k))
+
+    @property
     def kind(self) -> str:  # the storage type's name ("pk_i4a")
         return ops.dtype_name(self.code)
 

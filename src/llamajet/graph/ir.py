@@ -33,9 +33,9 @@ SYMBOLS = ("T", "O")
 class TensorSpec:
     name: str
     shape: tuple  # ints, or "T"/"O" for the step's token / output-row count
-    dtype: str = "f32"  # a storage type name (ops.dtype): f32, i32, q8_act (int8 rows in groups)
+    dtype: str = "f32"  # a storage type name (ops.dtype): f32, i32, q8_act / q8_actk (int8 rows in groups)
     kind: str = "activation"  # input | weight | activation | state
-    group: int = 0  # q8_act: elements per scale group
+    group: int = 0  # q8_act(k): elements per group (q8_act: per scale; q8_actk: a scale per 256)
 
     def nbytes(self, sizes: dict[str, int]) -> int:
         """Bytes for the largest step, with symbols resolved by `sizes`."""

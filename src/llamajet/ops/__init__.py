@@ -80,6 +80,17 @@ def packed_super(dt: str | DType) -> int:
     return _core.packed_super(dtype(dt))
 
 
+def packed_act_dtype(dt: str | DType) -> DType:
+    """The int8 activation type a packed type's W*A8 kernels read: Q8_ACTK (one
+    scale per 256 values, llama.cpp's Q8_K rule) for the K-quants, else Q8_ACT."""
+    return _core.packed_act_dtype(dtype(dt))
+
+
+def qact_span(dt: str | DType, group: int) -> int:
+    """Values under one scale in a Q8_ACT (the group) or Q8_ACTK (256) row."""
+    return _core.qact_span(dtype(dt), group)
+
+
 def packed_code_bits(dt: str | DType) -> int:
     """Bits per code of a packed type (4, 5, 6, 8)."""
     return _core.packed_code_bits(dtype(dt))
@@ -118,6 +129,7 @@ def i32(a) -> np.ndarray:
 __all__ = [
     "DType", "Epilogue", "Executor", "GGML_BLOCK_TYPES", "KV_DTYPES", "OPS", "OpKind", "Prologue", "QK",
     "ROWS_OUT", "ROWS_TOKENS", "Ref", "TILE", "cpu_features", "default_threads", "dequantize_packed", "dtype",
-    "dtype_name", "ggml_block_bytes", "i32", "packed_block_bytes", "packed_code_bits", "packed_super", "quantize_packed", "repack_gguf", "resolve_isa", "row_bytes",
+    "dtype_name", "ggml_block_bytes", "i32", "packed_act_dtype", "packed_block_bytes", "packed_code_bits",
+    "packed_super", "qact_span", "quantize_packed", "repack_gguf", "resolve_isa", "row_bytes",
     "step_allocations", "supported_isas", "tensor_bytes",
 ]

@@ -6,6 +6,8 @@ Weights are stacked for fused ops by their owner, the formats layer
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from llamajet import ops
@@ -28,30 +30,46 @@ def plain_matmul(n: Node | None) -> bool:
             and set(n.outputs) == {"out"} and not n.attrs)
 
 
-def quant_readers(graph: Graph, t: str, ctx) -> int | None:
-    """The group size if every reader of t can take it pre-quantized (packed
-    matmuls with int8 activations, no prologue, one group, K = t's width),
-    else None."""
+@dataclass(frozen=True)
+class QuantInput:
+    """How a tensor's readers want it quantized: groups of `group` (their sums),
+    one scale per `span` values; dtype q8_act (span = group) or q8_actk (the
+    K-quants' 256: formats.schemes.QuantScheme.act_dtype)."""
+    group: int
+    dtype: str
+
+    @property
+    def span(self) -> int:
+        return ops.qact_span(self.dtype, self.group)
+
+    def __str__(self) -> str:
+        return f"int8 g{self.group}" + (f" (one scale per {self.span})" if self.span != self.group else "")
+
+
+def quant_readers(graph: Graph, t: str, ctx) -> QuantInput | None:
+    """How t is quantized if every reader of t can take it pre-quantized
+    (packed matmuls with int8 activations, no prologue, one group and one
+    activation type, K = t's width), else None."""
     readers = graph.consumers(t)
     if not ctx.act_int8 or not readers or t in graph.outputs:
         return None
-    groups = set()
+    wants = set()
     for r in readers:
         if r.op != "matmul" or r.inputs.get("x") != t or r.attrs.get("prologue", ops.Prologue.NONE) != ops.Prologue.NONE:
             return None
         w = graph.weights[r.inputs["w"]]
         if not w.packed or w.shape[1] != graph.tensors[t].shape[-1]:
             return None
-        groups.add(w.group)
-    return groups.pop() if len(groups) == 1 else None
+        wants.add(QuantInput(w.group, w.scheme.act_dtype))
+    return wants.pop() if len(wants) == 1 else None
 
 
-def prequant_copy(graph: Graph, t: str, name: str, group: int) -> str:
-    """A new q8_act tensor `name`.q8 holding t quantized in groups (int8 codes,
-    scales, sums), and every reader of t switched to read it with the
-    prequant prologue. Returns its name."""
+def prequant_copy(graph: Graph, t: str, name: str, qi: QuantInput) -> str:
+    """A new q8_act / q8_actk tensor `name`.q8 holding t quantized as qi says
+    (int8 codes, scales, sums), and every reader of t switched to read it with
+    the prequant prologue. Returns its name."""
     spec = graph.tensors[t]
-    tq = graph.tensor(f"{name}.q8", spec.shape, "q8_act", group=group)
+    tq = graph.tensor(f"{name}.q8", spec.shape, qi.dtype, group=qi.group)
     for r in graph.consumers(t):
         del r.inputs["x"]
         r.inputs["qin"] = tq

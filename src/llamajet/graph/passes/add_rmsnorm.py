@@ -23,14 +23,14 @@ def run(graph: Graph, ctx) -> list[str]:
         x, w, h = norm.inputs["x"], norm.inputs["w"], norm.outputs["out"]
         add = graph.producers().get(x)
         fuse_add = add is not None and add.op == "add" and graph.tensors[add.outputs["out"]].shape == graph.tensors[h].shape
-        group = quant_readers(graph, h, ctx)
-        if not fuse_add and group is None:
+        qi = quant_readers(graph, h, ctx)
+        if not fuse_add and qi is None:
             continue
         inputs = {"x": add.inputs["a"], "d": add.inputs["b"], "w": w} if fuse_add else {"x": x, "w": w}
         outs = {}
         pos = graph.index(add) if fuse_add else graph.index(norm)
-        if group is not None:
-            outs["qout"] = prequant_copy(graph, h, norm.name, group)
+        if qi is not None:
+            outs["qout"] = prequant_copy(graph, h, norm.name, qi)
         if graph.consumers(h):
             outs["out"] = h
         else:
@@ -40,6 +40,6 @@ def run(graph: Graph, ctx) -> list[str]:
             graph.nodes.remove(add)
         graph.nodes.remove(norm)
         graph.insert(pos, graph.add(norm.name, "add_rmsnorm", inputs, outs, eps=norm.attrs["eps"]))
-        what = ("add + " if fuse_add else "") + "rmsnorm" + (f" + int8 g{group} on write" if group else "")
+        what = ("add + " if fuse_add else "") + "rmsnorm" + (f" + {qi} on write" if qi else "")
         log.append(f"add_rmsnorm: {norm.name}: {what}")
     return log

@@ -28,12 +28,12 @@ def run(graph: Graph, ctx) -> list[str]:
     for mm in [n for n in graph.nodes
                if n.op == "swiglu" or (n.op == "matmul" and n.attrs.get("epilogue") == ops.Epilogue.SWIGLU)]:
         a = mm.outputs["out"]
-        group = quant_readers(graph, a, ctx)
-        if group is None or group % 8:
+        qi = quant_readers(graph, a, ctx)
+        if qi is None or qi.group % 8:
             continue
         readers = graph.consumers(a)
-        aq = prequant_copy(graph, a, mm.name, group)
+        aq = prequant_copy(graph, a, mm.name, qi)
         node = graph.add(f"{mm.name}.quantize", "quantize", {"x": a}, {"out": aq})
         graph.insert(graph.index(mm) + 1, node)
-        log.append(f"ffn_quant: {mm.name} -> int8 g{group} for {', '.join(r.name for r in readers)}")
+        log.append(f"ffn_quant: {mm.name} -> {qi} for {', '.join(r.name for r in readers)}")
     return log
