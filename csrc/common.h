@@ -199,6 +199,17 @@ static inline int64_t tensor_bytes(int32_t t, int64_t rows, int64_t cols, int64_
   return n > (I)INT64_MAX ? -1 : (int64_t)n;
 }
 
+// [begin, end) of thread ith's contiguous share of n items.
+struct Range { int64_t b, e; };
+static inline Range split(int64_t n, int ith, int nth) {
+  const int64_t per = (n + nth - 1) / nth;
+  int64_t b = per * ith;
+  int64_t e = b + per;
+  if (b > n) b = n;
+  if (e > n) e = n;
+  return {b, e};
+}
+
 // Per-step inputs; arrays are owned by the Executor (sized at construction).
 struct StepCtx {
   int32_t n_tokens;

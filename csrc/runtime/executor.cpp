@@ -11,6 +11,10 @@
 
 namespace lj {
 
+// Bytes of the next matmul's weights each waiting thread prefetches at a
+// barrier (L2 is 1-2 MiB per core on the CPUs this targets).
+constexpr int64_t kBarrierPrefetch = 64 * 1024;
+
 const KernelTable* kernel_table(const std::string& isa) {
   bool ok = false;
   for (const auto& s : supported_isas()) ok = ok || s == isa;
@@ -122,7 +126,17 @@ void Executor::add(P p) {
     ++allocations_;
   }
   params_.emplace_back(std::move(p));
-  slots_.push_back({table_->fn[T::kind], &std::get<P>(params_.back()), (int)T::kind, (int)sizeof(P)});
+  Slot s{table_->fn[T::kind], &std::get<P>(params_.back()), (int)T::kind, (int)sizeof(P)};
+  if constexpr (std::is_same_v<P, MatmulOp>) {
+    const MatmulOp& m = std::get<P>(params_.back());
+    if (is_packed(m.w.dtype)) {
+      s.stream = (const uint8_t*)m.w.data;
+      s.tile_bytes = packed_tile_bytes(m.w.dtype, m.w.cols, m.w.group);
+      s.tiles = (m.w.rows + TILE - 1) / TILE;
+      s.qtiles = m.epilogue == EPI_QKV ? m.out.cols / TILE : 0;  // as the kernel's tile_ranges
+    }
+  }
+  slots_.push_back(s);
 }
 
 #define LJ_OP_ADD(KIND, name, P, FIELDS, kernel) template void Executor::add<P>(P);
@@ -186,7 +200,19 @@ void Executor::job(void* self, int ith, int nth) {
       for (int off = 0; off < e->slots_[k + 1].bytes; off += 64)
         __builtin_prefetch((const char*)e->slots_[k + 1].params + off, 0, 3);
     op.fn(op.params, e->ctx_, ith, nth);
-    if (k + 1 < n || e->profiling_) e->pool_->barrier();  // all threads see profiling_
+    if (k + 1 < n || e->profiling_) {  // all threads see profiling_
+      // A waiter prefetches the start of its share of the next op's weights
+      // (up to kBarrierPrefetch): the memory stays busy while the slowest
+      // thread finishes, and the next op starts on lines already in L2.
+      const Slot* nx = k + 1 < n ? &e->slots_[k + 1] : nullptr;
+      if (nx && nx->stream) {
+        const Range r = split(nx->qtiles ? nx->qtiles : nx->tiles, ith, nth);
+        const int64_t bytes = (r.e - r.b) * nx->tile_bytes;
+        e->pool_->barrier(nx->stream + r.b * nx->tile_bytes, bytes < kBarrierPrefetch ? bytes : kBarrierPrefetch);
+      } else {
+        e->pool_->barrier();
+      }
+    }
     if (prof) {
       const auto t1 = std::chrono::steady_clock::now();
       e->op_ns_[k] += std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();

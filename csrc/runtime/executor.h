@@ -78,6 +78,11 @@ class Executor {
     const void* params;
     int kind;
     int bytes;  // sizeof the params struct (prefetched while the op before runs)
+    // A packed matmul's weights (tiles of tile_bytes; the QKV epilogue splits
+    // its first qtiles apart): where each thread's share starts, prefetched
+    // by the threads that wait at the barrier before the op.
+    const uint8_t* stream = nullptr;
+    int64_t tile_bytes = 0, tiles = 0, qtiles = 0;
   };
   std::deque<AnyOp> params_;
   std::vector<Slot> slots_;

@@ -90,7 +90,7 @@ void ThreadPool::run(JobFn fn, void* ctx) {
   spin_then_sleep(done_, done_sleepers_, [this](int d) { return d == nth_ - 1; });
 }
 
-void ThreadPool::barrier() {
+void ThreadPool::barrier(const void* pf, int64_t pf_bytes) {
   if (nth_ == 1) return;
   const uint32_t gen = bar_gen_.load(std::memory_order_acquire);
   if (bar_count_.fetch_add(1, std::memory_order_acq_rel) == nth_ - 1) {
@@ -100,6 +100,10 @@ void ThreadPool::barrier() {
     if (bar_sleepers_.load(std::memory_order_seq_cst) > 0) bar_gen_.notify_all();
     return;
   }
+  const char* p = (const char*)pf;
+  for (int64_t off = 0; off < pf_bytes && bar_gen_.load(std::memory_order_acquire) == gen;)
+    for (const int64_t end = off + 1024 < pf_bytes ? off + 1024 : pf_bytes; off < end; off += 64)
+      __builtin_prefetch(p + off, 0, 2);
   spin_then_sleep(bar_gen_, bar_sleepers_, [gen](uint32_t g) { return g != gen; });
 }
 

@@ -29,7 +29,10 @@ class ThreadPool {
   // Runs fn(ctx, ith, nth) on every thread; returns when all have finished.
   void run(JobFn fn, void* ctx);
   // Called by all nth threads inside a job: none passes until all arrive.
-  void barrier();
+  // A thread that waits (not the last to arrive) prefetches [pf, pf + pf_bytes)
+  // into L2 while it waits, in 1 KiB steps between looks at the barrier: the
+  // next op's first weights, read while the slowest thread finishes this one.
+  void barrier(const void* pf = nullptr, int64_t pf_bytes = 0);
 
  private:
   void worker(int ith);
