@@ -71,9 +71,25 @@ def test_gguf_keep_repacks_every_block_without_loss(smollm2_gguf, smol_saved):
     with safetensors.safe_open(str(out / WEIGHTS_FILE), framework="numpy") as f:  # the official reader
         saved_model = load_model(out)
         assert saved_model.config == src.config
-        for name in ("token_embd", "blk.0.attn_q", "blk.29.ffn_down"):
+        meta = json.loads((out / META_FILE).read_text())["tensors"]
+        # q/k/v and gate/up are saved fused (formats/saved.py): [q; k; v] tiles, gate/up tiles alternating
+        assert meta["blk.0.attn_qkv"]["layout"] == "rows" and meta["blk.0.ffn_gate_up"]["layout"] == "tiles"
+        assert [p[0] for p in meta["blk.0.attn_qkv"]["parts"]] == ["blk.0.attn_q", "blk.0.attn_k", "blk.0.attn_v"]
+        assert "blk.0.attn_q" not in meta and "blk.0.ffn_up" not in meta
+
+        def stored_bytes(name):
+            if name in meta:
+                return f.get_tensor(name)
+            whole, info = next((n, i) for n, i in meta.items() if name in [p[0] for p in i.get("parts", [])])
+            a, t0 = f.get_tensor(whole), 0
+            for i, (pname, rows) in enumerate(info["parts"]):
+                if pname == name:
+                    return a[t0: t0 + rows // 16] if info["layout"] == "rows" else a[i::2]
+                t0 += rows // 16
+
+        for name in ("token_embd", "blk.0.attn_q", "blk.0.attn_v", "blk.0.ffn_up", "blk.29.ffn_down"):
             w = src.weights[name]
-            stored = f.get_tensor(name)
+            stored = stored_bytes(name)
             want = repack_gguf(w)
             assert stored.dtype == np.uint8 and np.array_equal(stored, want.data)
             # ...and the values are the gguf package's dequantization of the source, exactly:
@@ -146,14 +162,21 @@ def test_saved_weights_are_views_of_the_mapped_file(smol_saved, monkeypatch):
         raise AssertionError("a saved model must not be re-quantized at load")
     monkeypatch.setattr(convert.ops, "quantize_packed", refuse)  # the quantizer prepare_weights calls
     monkeypatch.setattr(convert, "deferred_twin", refuse)  # and the GGUF repack it defers
-    # fuse=False: the fusion passes would stack Q/K/V and gate/up into new
-    # matrices (a copy made once at load); unfused, every weight is the file's.
-    llm = LLM(out, max_model_len=64, n_threads=2, fuse=False)
-    for name, w in llm.engine.runner.weights.items():
+    # q/k/v and gate/up are saved as the matrices the fusion passes run (formats/saved.py): the
+    # graph's stacks are the file's bytes too, nothing is copied at load.
+    llm = LLM(out, max_model_len=64, n_threads=2, act_outliers=0)
+    graph_weights = llm.engine.runner.graph.weights
+    assert {"blk.0.attn_qkv", "blk.0.ffn_gate_up"} <= set(graph_weights)
+    for name, w in graph_weights.items():
         if name in ("rope_cos", "rope_sin"):
             continue  # computed at load from the config, not weights
-        assert w is model.weights[name] or np.shares_memory(w.data, _file_bytes(llm.model)), name
-    assert np.isfinite(llm.logits([1, 2, 3])).all()
+        assert np.shares_memory(w.data, _file_bytes(llm.model)), name
+    fused = llm.logits([1, 2, 3])
+    assert np.isfinite(fused).all()
+    # Unfused, the parts are views of the stacks (gate/up rows alternate by tile: those two are
+    # copied to contiguous rows when lowered); same codes, same kernels' sums: the same logits.
+    plain = LLM(out, max_model_len=64, n_threads=2, act_outliers=0, fuse=False)
+    np.testing.assert_array_equal(plain.logits([1, 2, 3]), fused)
 
 
 _RSS_SCRIPT = """
@@ -162,9 +185,9 @@ def rss():
     return {l.split(':')[0]: int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('Rss')}
 from llamajet import LLM
 r0 = rss()
-# fuse=False: the fusion passes stack Q/K/V and gate/up into new matrices once at
-# load (a copy, ~44 MB here); without them every weight stays the mapped file.
-llm = LLM(sys.argv[1], max_model_len=128, n_threads=2, fuse=False)  # held: freeing it would unmap the file
+# q/k/v and gate/up are saved as the fused matrices the passes run (formats/saved.py): with the
+# passes on, as LLM runs by default, every weight stays the mapped file (no stack copied at load)
+llm = LLM(sys.argv[1], max_model_len=128, n_threads=2)  # held: freeing it would unmap the file
 llm.logits([1, 2, 3, 4])
 r1 = rss()
 # the KV pool is committed at start (kv_prefault): its configured size is not weights
@@ -291,7 +314,14 @@ def test_bf16_folder(stories_hf, tmp_path):
     w = orig.weights["blk.0.attn_q"]
     assert kept.weights["blk.0.attn_q"].dtype == "bf16" and np.array_equal(kept.weights["blk.0.attn_q"].data, w.data)
     assert kept.weights["blk.0.attn_norm"].dtype == "f32"  # norms widen (exactly) to what rmsnorm reads
-    assert np.array_equal(i8.weights["blk.0.attn_q"].data, quantize_rtn("q", w.to_f32(), "int8_g32").data)
+    # saved inside the fused [q; k; v], its rows in interleaved RoPE order (formats/saved.py): the same
+    # rows as quantizing the HF matrix, permuted as the QKV pass permutes them
+    from llamajet.formats.stack import rope_interleave_rows
+    q8 = i8.weights["blk.0.attn_q"]
+    assert q8.rope_interleaved and not w.rope_interleaved and q8.stacked is not None
+    cfg = orig.config
+    want = rope_interleave_rows(quantize_rtn("q", w.to_f32(), "int8_g32"), cfg.num_heads, cfg.head_dim)
+    assert np.array_equal(q8.data, want.data)
     # bf16 keeps 8 mantissa bits: the model still picks the float model's tokens on a short text.
     ids = load_tokenizer(stories_hf).encode("Once upon a time, there was a little girl")
     f32 = LLM(stories_hf, max_model_len=64).logits(ids).argmax(-1)
@@ -391,14 +421,21 @@ def _edit_meta(folder: Path, edit) -> None:
 
 @pytest.mark.parametrize("edit, message", [
     (lambda m: m.update(magic="llamajot"), "not a llamajet saved model"),
-    (lambda m: m.update(format_version=0), "format_version 0, but this llamajet reads version 1"),
-    (lambda m: m.update(format_version=2), "format_version 2, .* written by a newer llamajet"),
+    (lambda m: m.update(format_version=0), "format_version 0, but this llamajet reads versions 1, 2 only"),
+    (lambda m: m.update(format_version=3), "format_version 3, .* written by a newer llamajet"),
     (lambda m: m.pop("format_version"), "format_version None"),
-    (lambda m: m["tensors"]["blk.0.attn_q"].update(scheme="int4_sym_g32"), "int4_sym_g32 of shape"),
+    (lambda m: m["tensors"]["blk.0.attn_qkv"].update(scheme="int4_sym_g32"), "int4_sym_g32 of shape"),
     (lambda m: m["tensors"]["blk.0.ffn_up"].update(shape=[172, 32]), "needs U8"),
-    (lambda m: m["tensors"]["blk.0.attn_q"].update(scheme="int3_g7"), "unknown scheme 'int3_g7'; known: "),
+    (lambda m: m["tensors"]["blk.0.attn_qkv"].update(scheme="int3_g7"), "unknown scheme 'int3_g7'; known: "),
     (lambda m: m["tensors"]["blk.0.attn_norm"].update(dtype="f16"), "but f16 of shape \\[64\\] needs F16"),
-    (lambda m: m["tensors"].pop("blk.0.attn_v"), "not listed in llamajet.json"),
+    (lambda m: m["tensors"].pop("blk.0.attn_qkv"), "not listed in llamajet.json"),
+    # a fused tensor's parts (formats/saved.py): rows that do not add up, an unknown layout, a name
+    # outside the architecture, a part saved twice
+    (lambda m: m["tensors"]["blk.0.attn_qkv"]["parts"][2].__setitem__(1, 16), "cannot hold parts"),
+    (lambda m: m["tensors"]["blk.0.attn_qkv"].update(layout="cols"), "malformed parts"),
+    (lambda m: m["tensors"]["blk.0.attn_qkv"].update(parts=[["blk.0.attn_q", 64], "k"]), "malformed parts"),
+    (lambda m: m["tensors"]["blk.0.attn_qkv"]["parts"][0].__setitem__(0, "blk.0.attn_z"), "not part of a llama"),
+    (lambda m: m["tensors"]["blk.1.attn_qkv"]["parts"][0].__setitem__(0, "blk.0.attn_q"), "saved twice"),
     (lambda m: m["config"].update(num_layers=6), "blk.5"),
     (lambda m: m["config"].pop("vocab_size"), "config is incomplete"),
 ])
@@ -420,11 +457,11 @@ def test_corrupt_or_missing_files_are_clear_errors(saved_copy):
     # The header itself inconsistent: a tensor's shape no longer fits the bytes it spans.
     n = int.from_bytes(data[:8], "little")
     header = json.loads(data[8:8 + n])
-    header["blk.0.attn_q"]["shape"][-1] -= 32
+    header["blk.0.attn_qkv"]["shape"][-1] -= 32
     text = json.dumps(header, separators=(",", ":")).encode().ljust(n)
     assert len(text) == n
     (saved_copy / WEIGHTS_FILE).write_bytes(data[:8] + text + data[8 + n:])
-    with pytest.raises(ModelFormatError, match="'blk.0.attn_q' spans 4352 bytes, but U8"):
+    with pytest.raises(ModelFormatError, match="'blk.0.attn_qkv' spans 8704 bytes, but U8"):
         load_model(saved_copy)
     (saved_copy / WEIGHTS_FILE).unlink()
     with pytest.raises(ModelFormatError, match="model.safetensors: no such file"):

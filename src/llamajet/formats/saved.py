@@ -25,8 +25,9 @@ kept unquantized keep their dtype (F32 / F16 / BF16). Every tensor starts
                                      "kind": "norm"}, ...}}
 
 ("kind" is checked against the architecture's tensor spec; files written
-before it was recorded load without it.) A format version other than
-FORMAT_VERSION is refused: the packed layout may have changed, and reading
+before it was recorded load without it.) A block's q/k/v and gate/up are
+saved as one fused tensor each where the fusion passes would stack them (see
+`fused`: version 2). A version not in READABLE_VERSIONS is refused: the packed layout may have changed, and reading
 old bytes with a new layout would give wrong answers silently. NOTE: `write`
 writes llamajet.json last, so a folder holding it holds a complete model.
 """
@@ -48,8 +49,9 @@ from llamajet.config import ModelConfig, RopeScaling
 from llamajet.errors import LlamajetError, ModelFormatError, UnsupportedModelError
 from llamajet.formats import safetensors as st
 from llamajet.formats.layout import FLOATS, Format, QuantScheme
-from llamajet.formats.schemes import FORMAT_VERSION, get_scheme, schemes
+from llamajet.formats.schemes import FORMAT_VERSION, READABLE_VERSIONS, get_scheme, schemes
 from llamajet.formats.weight import Kind, Weight
+from llamajet.ops import TILE
 
 MAGIC = "llamajet"
 META_FILE = "llamajet.json"
@@ -112,10 +114,11 @@ def read_meta(folder: Path) -> dict:
         got = meta.get("magic") if isinstance(meta, dict) else type(meta).__name__
         raise ModelFormatError(f"{path}: not a llamajet saved model (magic {got!r}, expected {MAGIC!r})")
     version = meta.get("format_version")
-    if version != FORMAT_VERSION:
+    if isinstance(version, bool) or version not in READABLE_VERSIONS:
         newer = isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION
         raise ModelFormatError(
-            f"{path}: format_version {version!r}, but this llamajet reads version {FORMAT_VERSION} only "
+            f"{path}: format_version {version!r}, but this llamajet reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))} only "
             "(the packed layout differs between versions); "
             + ("it was written by a newer llamajet: upgrade" if newer
                else "re-run `llamajet quantize` on the original checkpoint"))
@@ -163,6 +166,104 @@ def _tensor(name: str, info, entry: st.Entry, buf: mmap.mmap, kind: Kind, source
     return Weight(name, kind, fmt, shape, st.view(entry, buf, fmt.np_dtype, want), inter)
 
 
+# --- fused tensors -----------------------------------------------------------------------
+#
+# A block's q, k and v projections, and its gate and up projections, are saved
+# as the one tensor the fusion passes make of them at load (graph/passes/qkv.py,
+# gate_up.py), so a load maps them as they run: "rows" is [Wq; Wk; Wv] along N
+# (q and k rows in interleaved RoPE order), "tiles" is gate and up alternating
+# in 16-row tiles. The entry lists its parts ("parts": [[name, rows], ...]) and
+# the reader gives each part as a view of the whole (formats/stack.py then takes
+# the whole back: no copy; a graph that does not fuse reads the views). Only
+# packed matrices without biases that the passes would fuse are saved so.
+
+LAYOUTS = ("rows", "tiles")
+
+
+def _parts(name: str, info: dict, entry: st.Entry, buf: mmap.mmap, kind_of, config: ModelConfig,
+           source: str) -> list[Weight]:
+    parts, layout = info.get("parts"), info.get("layout")
+    if layout not in LAYOUTS or not isinstance(parts, list) or len(parts) < 2 or not all(
+            isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], int)
+            and not isinstance(p[1], bool) and p[1] > 0 for p in parts):
+        raise ModelFormatError(f"{source}: fused tensor {name!r} has malformed parts {parts!r} / layout {layout!r}")
+    kind = kind_of(config, parts[0][0])
+    for pname, _ in parts[1:]:
+        if kind_of(config, pname) != kind:
+            raise ModelFormatError(f"{source}: fused tensor {name!r} mixes kinds of tensors")
+    whole = _tensor(name, {k: v for k, v in info.items() if k not in ("parts", "layout")}, entry, buf, kind, source)
+    rows = [n for _, n in parts]
+    if not whole.packed or any(n % TILE for n in rows) or sum(rows) != whole.shape[0] or (
+            layout == "tiles" and (len(parts) != 2 or rows[0] != rows[1])):
+        raise ModelFormatError(f"{source}: fused tensor {name!r} ({whole.format.name} {list(whole.shape)}) "
+                               f"cannot hold parts {parts!r} as {layout!r}")
+    out, t0 = [], 0
+    for i, (pname, n) in enumerate(parts):
+        data = whole.data[t0: t0 + n // TILE] if layout == "rows" else whole.data[i::2]
+        t0 += n // TILE
+        inter = whole.rope_interleaved and layout == "rows" and i < 2  # q, k (v has no RoPE)
+        out.append(Weight(pname, kind, whole.format, (n, whole.shape[1]), data, inter,
+                          stacked=(whole.data, layout, i, len(parts))))
+    return out
+
+
+def fused(config: ModelConfig, plans: list[SavedTensor]) -> list[SavedTensor]:
+    """`plans` with each block's q/k/v and gate/up merged into the tensor the
+    fusion passes would stack (see above), where the passes' rules allow."""
+    from llamajet.formats.stack import rope_interleave_rows
+
+    by = {t.name: t for t in plans}
+    H, KVH, hd = config.num_heads, config.num_kv_heads, config.head_dim
+    merged: dict[str, SavedTensor] = {}  # first part's name -> the whole
+    for t in plans:
+        if t.name.endswith(".attn_q"):
+            p, layout, suffixes = t.name[: -len(".attn_q")], "rows", ("attn_q", "attn_k", "attn_v")
+            fname = f"{p}.attn_qkv"
+        elif t.name.endswith(".ffn_gate"):
+            p, layout, suffixes = t.name[: -len(".ffn_gate")], "tiles", ("ffn_gate", "ffn_up")
+            fname = f"{p}.ffn_gate_up"
+        else:
+            continue
+        parts = [by.get(f"{p}.{x}") for x in suffixes]
+        if any(q is None for q in parts) or fname in by:
+            continue
+        f0 = parts[0].format
+        if (not f0.packed or any(q.format != f0 or q.kind != parts[0].kind or q.shape[1] != parts[0].shape[1]
+                                 or q.shape[0] % TILE or f"{q.name}.bias" in by for q in parts)):
+            continue
+        if layout == "rows":
+            nq, nk, nv = (q.shape[0] for q in parts)
+            if nq != H * hd or nk != KVH * hd or nv != nk:
+                continue
+        elif parts[0].shape != parts[1].shape:
+            continue
+        merged[parts[0].name] = _whole(fname, layout, parts, (H, KVH, hd), rope_interleave_rows)
+        for q in parts[1:]:
+            merged[q.name] = None
+    return [merged[t.name] if t.name in merged else t for t in plans if merged.get(t.name, t) is not None]
+
+
+def _whole(name: str, layout: str, parts: list[SavedTensor], heads, rope_interleave_rows) -> SavedTensor:
+    p0 = parts[0]
+    n = sum(q.shape[0] for q in parts)
+
+    def produce():
+        datas = []
+        for i, q in enumerate(parts):
+            data = np.asarray(q.produce())
+            if layout == "rows" and i < 2 and not q.rope_interleaved:  # q, k: interleaved RoPE pairs
+                w = Weight(q.name, q.kind, q.format, q.shape, np.ascontiguousarray(data), False)
+                data = rope_interleave_rows(w, heads[i], heads[2]).data
+            datas.append(data)
+        if layout == "rows":
+            return np.concatenate(datas, axis=0)
+        return np.stack(datas, axis=1).reshape(-1, *datas[0].shape[1:])
+
+    inter = layout == "rows"
+    return SavedTensor(name, p0.kind, p0.format, (n, p0.shape[1]), inter, produce,
+                       parts=tuple((q.name, q.shape[0]) for q in parts), layout=layout)
+
+
 def read(folder: str | Path, kind_of: Callable[[ModelConfig, str], Kind]
          ) -> tuple[ModelConfig, dict[str, Weight], mmap.mmap]:
     """(config, weights, the file's map) of a saved folder; each weight a view of
@@ -180,8 +281,16 @@ def read(folder: str | Path, kind_of: Callable[[ModelConfig, str], Kind]
     for name, info in meta["tensors"].items():
         if name not in entries:
             raise ModelFormatError(f"{path}: tensor {name!r} listed in {META_FILE} is missing")
+        if isinstance(info, dict) and "parts" in info:
+            for w in _parts(name, info, entries[name], buf, kind_of, config, source):
+                if w.name in weights or w.name in meta["tensors"]:
+                    raise ModelFormatError(f"{source}: tensor {w.name!r} is saved twice (in {name!r})")
+                weights[w.name] = w
+            continue
+        if name in weights:
+            raise ModelFormatError(f"{source}: tensor {name!r} is saved twice")
         weights[name] = _tensor(name, info, entries[name], buf, kind_of(config, name), source)
-    extra = sorted(n for n in entries if n not in weights and not n.startswith(PAD_PREFIX))
+    extra = sorted(n for n in entries if n not in meta["tensors"] and not n.startswith(PAD_PREFIX))
     if extra:
         raise ModelFormatError(f"{path}: tensors {extra[:5]} are not listed in {META_FILE}")
     return config, weights, buf
@@ -200,11 +309,15 @@ class SavedTensor:
     shape: tuple[int, ...]
     rope_interleaved: bool
     produce: Callable[[], np.ndarray]
+    parts: tuple = ()  # a fused tensor: ((name, rows), ...) of the tensors it holds (see `fused`)
+    layout: str = ""   # a fused tensor: "rows" or "tiles"
 
     def entry(self) -> dict:
         which = {"scheme": self.format.name} if self.format.packed else {"dtype": self.format.name}
-        return {**which, "shape": list(self.shape), "rope_interleaved": self.rope_interleaved,
-                "kind": self.kind.value}
+        e = {**which, "shape": list(self.shape), "rope_interleaved": self.rope_interleaved, "kind": self.kind.value}
+        if self.parts:
+            e.update(parts=[list(p) for p in self.parts], layout=self.layout)
+        return e
 
     def item(self) -> st.Item:
         shape = tuple(self.format.storage_shape(self.shape))

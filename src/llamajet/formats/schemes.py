@@ -28,7 +28,10 @@ import numpy as np
 from llamajet import ops
 from llamajet.errors import LlamajetError
 
-FORMAT_VERSION = 1
+# 2: fused q/k/v and gate/up tensors in saved models (formats/saved.py); the packed layout is
+# version 1's, so version 1 folders still read
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,18 @@ def _from_rows(name: str, like: Weight, rows: np.ndarray, n: int, rope_interleav
     return like.with_data(name, like.format, (n, *like.shape[1:]), data, rope_interleaved)
 
 
+def saved_whole(ws, layout: str) -> np.ndarray | None:
+    """The storage of the fused tensor a saved model holds `ws` in (formats/saved.py:
+    every part, in order, of one whole saved with `layout`), or None."""
+    s0 = ws[0].stacked
+    if s0 is None or s0[1] != layout or s0[3] != len(ws):
+        return None
+    for i, w in enumerate(ws):
+        if w.stacked is None or w.stacked[0] is not s0[0] or w.stacked[1:] != (layout, i, len(ws)):
+            return None
+    return s0[0]
+
+
 def same_kind(ws) -> bool:
     """Weights whose rows can be stacked into one matrix: same format and K."""
     w0 = ws[0]
@@ -37,6 +49,9 @@ def same_kind(ws) -> bool:
 def stack_rows(name: str, ws, rope_interleaved: bool = True) -> Weight:
     """[W0; W1; ...] along N (each N a multiple of 16 for packed ones: whole tiles)."""
     n = sum(w.shape[0] for w in ws)
+    whole = saved_whole(ws, "rows")
+    if whole is not None:  # saved stacked: the file's bytes as they are
+        return Weight(name, ws[0].kind, ws[0].format, (n, ws[0].shape[1]), whole, rope_interleaved)
     if ws[0].packed:
         shape = (sum(w.data.shape[0] for w in ws), *ws[0].data.shape[1:])
         out = np.empty(shape, np.uint8)
@@ -51,6 +66,9 @@ def stack_rows(name: str, ws, rope_interleaved: bool = True) -> Weight:
 def interleave_tiles(name: str, g: Weight, u: Weight) -> Weight:
     """Gate and up rows alternating in 16-row tiles: [g0..15, u0..15, g16..31, ...]."""
     n = 2 * g.shape[0]
+    whole = saved_whole([g, u], "tiles")
+    if whole is not None:  # saved interleaved: the file's bytes as they are
+        return Weight(name, g.kind, g.format, (n, g.shape[1]), whole, False)
     if g.packed:
         out = np.empty((2 * g.data.shape[0], *g.data.shape[1:]), np.uint8)
         pending = restack([g, u], out, [0, out[0].nbytes], 2)

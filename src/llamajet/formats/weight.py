@@ -48,6 +48,10 @@ class Weight:
     # formats/pending.py: bytes not written yet (a GGUF matrix repacked once,
     # into its final buffer, after the fusion passes stacked it)
     pending: object = None
+    # formats/saved.py: a part of a fused tensor saved whole (the QKV stack, the
+    # gate/up tiles): (that tensor's storage, its layout, this part's index, the
+    # number of parts). formats/stack.py then takes the whole as the stack: no copy.
+    stacked: tuple | None = None
 
     def __post_init__(self):
         if isinstance(self.format, str):

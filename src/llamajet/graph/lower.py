@@ -15,8 +15,10 @@ The executor checks every operand's extent and shape again at this boundary.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+import numpy as np
 
 from llamajet import ops
 from llamajet.graph.ir import Graph
@@ -94,6 +96,8 @@ def tensor_ref(graph: Graph, plan: MemoryPlan, arena: int, t: str):
         w = graph.weights[t]
         if w.pending is not None:  # compile_graph writes every deferred weight first
             raise RuntimeError(f"{t}: weight bytes not written yet (formats.pending.materialize)")
+        if not w.data.flags.c_contiguous:  # a part of a saved gate/up not fused here (formats/saved.py)
+            w = graph.weights[t] = replace(w, data=np.ascontiguousarray(w.data), stacked=None)
         return ops.Ref.from_array(w.data, w.code, rows, cols, w.group)
     return ops.Ref.in_buffer(arena, plan.offsets[t], ops.dtype(spec.dtype), _rows(rows), cols, spec.group)
 

@@ -65,7 +65,7 @@ def write_entry(model: LoadedModel, tokenizer, dest: Path) -> Path:
     try:
         release = page_releaser(model)
         plans = [saved.kept(w, release)[0] for w in model.weights.values()]
-        _, entries = saved.write_weights(tmp, plans)
+        _, entries = saved.write_weights(tmp, saved.fused(model.config, plans))
         src = Path(model.source)
         write_tokenizer_files(tokenizer, src, tmp, model.config.max_position_embeddings)
         check_written(tokenizer, tmp)

@@ -280,7 +280,8 @@ def quantize_model(src: str | Path, out: str | Path, scheme: str, force: bool = 
                                       lambda v=v: v), "bias corrections added (f32)"))
 
     out.mkdir(parents=True, exist_ok=True)
-    size, entries = saved.write_weights(out, [t for t, _ in plans])
+    # q/k/v and gate/up saved as the fused tensors the passes run (LLM(out) maps them: no copy at load)
+    size, entries = saved.write_weights(out, saved.fused(model.config, [t for t, _ in plans]))
     write_tokenizer_files(tok, src, out, model.config.max_position_embeddings)
     check_written(tok, out)
     extra = {"smoothing": smoothing_meta(cal)} if cal.cols else {}
