@@ -204,6 +204,50 @@ int32_t gguf_twin(const std::string& name, int64_t* qk, int64_t* block_bytes) {
   throw std::invalid_argument("no packed twin for GGUF type " + name);
 }
 
+namespace {
+
+// Q8_0, Q4_0, Q4_1 (one group per block, 8 or 4 bits): each GGUF block goes
+// straight into its tile's block, no per-row staging. The same bytes as
+// decode_row + pack_tile (the tests compare both with the gguf package):
+// int8 codes as 4-byte pieces, row r's at r * 4 of each 64-byte chunk; 4-bit
+// codes as one dword per 8 elements, elements 8ch..8ch+3 in the low nibbles
+// and 8ch+4..8ch+7 in the high ones; then d (and m) per row. Measured on one
+// Zen 4 core, a 1B ffn_up (8192 x 2048), GB/s of output: Q8_0 3.4 -> 7.3, Q4_0 2.3 -> 4.2.
+bool pack_simple_tile(const GgufType& t, const uint8_t* src, int64_t row_bytes, int64_t nvalid, int64_t k,
+                      uint8_t* dst) {
+  const int32_t kind = t.twin;
+  if (kind != PK_I8 && kind != PK_I4S && kind != PK_I4A) return false;
+  const int64_t cgb = packed_group_code_bytes(kind, 32), bb = packed_block_bytes(kind, 32);
+  const bool has_m = kind == PK_I4A;
+  if (bb != cgb + 2 * TILE * (has_m ? 2 : 1)) return false;  // a layout this path does not know
+  const int64_t nb = k / 32;
+  if (nvalid < TILE) std::memset(dst, 0, (size_t)(nb * bb));
+  const int64_t qo = kind == PK_I8 ? 2 : has_m ? 4 : 2;  // codes' offset in the GGUF block
+  for (int64_t b = 0; b < nb; ++b) {
+    uint8_t* blk = dst + b * bb;
+    uint8_t* tail = blk + cgb;
+    for (int64_t r = 0; r < nvalid; ++r) {
+      const uint8_t* g = src + r * row_bytes + b * t.bytes;
+      std::memcpy(tail + 2 * r, g, 2);
+      if (has_m) std::memcpy(tail + 2 * TILE + 2 * r, g + 2, 2);
+      const uint8_t* q = g + qo;
+      uint8_t* o = blk + 4 * r;
+      if (kind == PK_I8) {
+        for (int ch = 0; ch < 8; ++ch) wr32(o + 64 * ch, rd32(q + 4 * ch));
+      } else {  // qs[j]: element j in the low nibble, j + 16 in the high one
+        for (int ch = 0; ch < 2; ++ch) {
+          const uint32_t lo = rd32(q + 8 * ch), hi = rd32(q + 8 * ch + 4);
+          wr32(o + 64 * ch, (lo & 0x0F0F0F0Fu) | ((hi & 0x0F0F0F0Fu) << 4));
+          wr32(o + 64 * (ch + 2), ((lo >> 4) & 0x0F0F0F0Fu) | (hi & 0xF0F0F0F0u));
+        }
+      }
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
 void repack_gguf_tiles(const std::string& type, const uint8_t* src, int64_t n, int64_t k, uint8_t* dst,
                        int64_t tile_stride, int64_t tile_b, int64_t tile_e) {
   const GgufType* t = nullptr;
@@ -213,6 +257,14 @@ void repack_gguf_tiles(const std::string& type, const uint8_t* src, int64_t n, i
   const int64_t G = packed_fixed_group(t->twin) ? packed_fixed_group(t->twin) : 32;
   const int64_t ng = k / G, S = packed_super(t->twin), nsb = ng / S;
   const int64_t row_bytes = k / t->qk * t->bytes;
+  if (S == 1 && G == 32) {
+    bool direct = true;
+    for (int64_t tt = tile_b; tt < tile_e && direct; ++tt) {
+      const int64_t nvalid = n - tt * TILE < TILE ? n - tt * TILE : TILE;
+      direct = pack_simple_tile(*t, src + tt * TILE * row_bytes, row_bytes, nvalid, k, dst + tt * tile_stride);
+    }
+    if (direct) return;
+  }
   std::vector<Row> rows(TILE);
   for (Row& r : rows) {
     r.codes.assign((size_t)k, 0);
