@@ -210,11 +210,12 @@ def _parts(name: str, info: dict, entry: st.Entry, buf: mmap.mmap, kind_of, conf
 def fused(config: ModelConfig, plans: list[SavedTensor]) -> list[SavedTensor]:
     """`plans` with each block's q/k/v and gate/up merged into the tensor the
     fusion passes would stack (see above), where the passes' rules allow."""
-    from llamajet.formats.stack import rope_interleave_rows
+    from llamajet.formats.stack import same_kind
 
     by = {t.name: t for t in plans}
     H, KVH, hd = config.num_heads, config.num_kv_heads, config.head_dim
-    merged: dict[str, SavedTensor] = {}  # first part's name -> the whole
+    wholes: dict[str, SavedTensor] = {}  # first part's name -> the whole
+    absorbed: set[str] = set()           # the other parts' names
     for t in plans:
         if t.name.endswith(".attn_q"):
             p, layout, suffixes = t.name[: -len(".attn_q")], "rows", ("attn_q", "attn_k", "attn_v")
@@ -227,9 +228,8 @@ def fused(config: ModelConfig, plans: list[SavedTensor]) -> list[SavedTensor]:
         parts = [by.get(f"{p}.{x}") for x in suffixes]
         if any(q is None for q in parts) or fname in by:
             continue
-        f0 = parts[0].format
-        if (not f0.packed or any(q.format != f0 or q.kind != parts[0].kind or q.shape[1] != parts[0].shape[1]
-                                 or q.shape[0] % TILE or f"{q.name}.bias" in by for q in parts)):
+        if (not parts[0].format.packed or not same_kind(parts)
+                or any(q.kind != parts[0].kind or q.shape[0] % TILE or f"{q.name}.bias" in by for q in parts)):
             continue
         if layout == "rows":
             nq, nk, nv = (q.shape[0] for q in parts)
@@ -237,31 +237,31 @@ def fused(config: ModelConfig, plans: list[SavedTensor]) -> list[SavedTensor]:
                 continue
         elif parts[0].shape != parts[1].shape:
             continue
-        merged[parts[0].name] = _whole(fname, layout, parts, (H, KVH, hd), rope_interleave_rows)
-        for q in parts[1:]:
-            merged[q.name] = None
-    return [merged[t.name] if t.name in merged else t for t in plans if merged.get(t.name, t) is not None]
+        wholes[parts[0].name] = _whole(fname, layout, parts, (H, KVH), hd)
+        absorbed.update(q.name for q in parts[1:])
+    return [wholes.get(t.name, t) for t in plans if t.name not in absorbed]
 
 
-def _whole(name: str, layout: str, parts: list[SavedTensor], heads, rope_interleave_rows) -> SavedTensor:
-    p0 = parts[0]
-    n = sum(q.shape[0] for q in parts)
+def _whole(name: str, layout: str, parts: list[SavedTensor], heads: tuple[int, int], hd: int) -> SavedTensor:
+    """The fused tensor of `parts`; "rows": q and k rows (heads[0], heads[1] heads) put in
+    interleaved RoPE order first, as the QKV pass would."""
+    from llamajet.formats.stack import rope_interleave_rows
 
     def produce():
         datas = []
         for i, q in enumerate(parts):
             data = np.asarray(q.produce())
-            if layout == "rows" and i < 2 and not q.rope_interleaved:  # q, k: interleaved RoPE pairs
+            if layout == "rows" and i < 2 and not q.rope_interleaved:
                 w = Weight(q.name, q.kind, q.format, q.shape, np.ascontiguousarray(data), False)
-                data = rope_interleave_rows(w, heads[i], heads[2]).data
+                data = rope_interleave_rows(w, heads[i], hd).data
             datas.append(data)
         if layout == "rows":
             return np.concatenate(datas, axis=0)
         return np.stack(datas, axis=1).reshape(-1, *datas[0].shape[1:])
 
-    inter = layout == "rows"
-    return SavedTensor(name, p0.kind, p0.format, (n, p0.shape[1]), inter, produce,
-                       parts=tuple((q.name, q.shape[0]) for q in parts), layout=layout)
+    p0 = parts[0]
+    return SavedTensor(name, p0.kind, p0.format, (sum(q.shape[0] for q in parts), p0.shape[1]), layout == "rows",
+                       produce, parts=tuple((q.name, q.shape[0]) for q in parts), layout=layout)
 
 
 def read(folder: str | Path, kind_of: Callable[[ModelConfig, str], Kind]
@@ -287,8 +287,6 @@ def read(folder: str | Path, kind_of: Callable[[ModelConfig, str], Kind]
                     raise ModelFormatError(f"{source}: tensor {w.name!r} is saved twice (in {name!r})")
                 weights[w.name] = w
             continue
-        if name in weights:
-            raise ModelFormatError(f"{source}: tensor {name!r} is saved twice")
         weights[name] = _tensor(name, info, entries[name], buf, kind_of(config, name), source)
     extra = sorted(n for n in entries if n not in meta["tensors"] and not n.startswith(PAD_PREFIX))
     if extra:
