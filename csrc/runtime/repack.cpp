@@ -4,6 +4,8 @@
 // formats/packed.py pack_parts); tests hold the two equal byte for byte.
 #include "repack.h"
 
+#include <emmintrin.h>
+
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -247,6 +249,94 @@ void pack_simple_tile(const GgufType& t, const uint8_t* src, int64_t row_bytes, 
   }
 }
 
+// Q4_K, Q5_K, Q6_K: each super-block of each row goes straight into its
+// tile's block (the same bytes as decode_row + pack_tile). Q4_K / Q5_K: qs[32 i
+// + j] holds element 64 i + j in its low nibble (group 2 i) and 64 i + 32 + j in
+// its high one (group 2 i + 1); Q5_K's fifth bit of element 32 s + j is bit s of
+// qh[j]. Q6_K (groups of 16): ql[64 h + l] holds element 128 h + l low and 128 h
+// + 64 + l high, bits 2 s, 2 s + 1 of qh[32 h + l] are element 128 h + 32 s + l's
+// top two. The high parts go into each group's plane: code 8 ch + jj's at bit
+// hb (2 ch) of byte jj, code 8 ch + 4 + jj's at bit hb (2 ch + 1).
+bool direct_kquant(int32_t kind) {
+  const int64_t G = kind == PK_Q6K ? 16 : 32;
+  if (kind != PK_Q4K && kind != PK_Q5K && kind != PK_Q6K) return false;
+  return packed_super(kind) * G == 256 && packed_group_code_bytes(kind, G) == (G / 8 + (kind != PK_Q4K)) * 64;
+}
+
+void pack_kquant_tile(const GgufType& t, const uint8_t* src, int64_t row_bytes, int64_t nvalid, int64_t k,
+                      uint8_t* dst) {
+  const int32_t kind = t.twin;
+  const int64_t G = kind == PK_Q6K ? 16 : 32, S = packed_super(kind);
+  const int64_t cgb = packed_group_code_bytes(kind, G), bb = packed_block_bytes(kind, G), nsb = k / 256;
+  constexpr uint32_t L4 = 0x0F0F0F0Fu, H4 = 0xF0F0F0F0u;
+  if (nvalid < TILE) std::memset(dst, 0, (size_t)(nsb * bb));
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    for (int64_t r = 0; r < nvalid; ++r) {
+      uint8_t* blk = dst + sb * bb;
+      uint8_t* tail = blk + S * cgb;
+      const uint8_t* g = src + r * row_bytes + sb * t.bytes;
+      uint8_t* o = blk + 4 * r;
+      // 16 rows read side by side are more streams than the hardware prefetchers follow: this row's
+      // next super-block is asked for now, 16 rows before it is read. One Zen 4 core, GB/s out:
+      // Q6_K [2048, 8192] 2.6 (row by row, output in L2) -> 7.6; 1 super-block ahead beat 2, 4, 8.
+      // (A prefetch past the source's end does not fault.)
+      for (int64_t c = 0; c < t.bytes; c += 64) __builtin_prefetch(g + t.bytes + c);
+      if (kind == PK_Q6K) {
+        std::memcpy(tail + 2 * r, g + 208, 2);
+        for (int j = 0; j < 16; ++j) tail[2 * TILE + j * TILE + r] = g[192 + j];
+        // 16 codes a group in one SSE2 register (any x86-64; [8192, 2048] 2.7 -> 5.2 GB/s against 64-bit words)
+        const __m128i m4 = _mm_set1_epi8(0x0F), m2 = _mm_set1_epi8(0x03);
+#pragma GCC unroll 16
+        for (int gi = 0; gi < 16; ++gi) {
+          const int h = gi / 8, e = 16 * (gi % 8), s = e / 32;  // e: the group's first element within its half
+          __m128i c = _mm_loadu_si128((const __m128i*)(g + 64 * h + e % 64));
+          if (e >= 64) c = _mm_srli_epi16(c, 4);
+          c = _mm_and_si128(c, m4);  // codes 0..15, low 4 bits
+          __m128i x = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i*)(g + 128 + 32 * h + e % 32)),
+                                                  _mm_cvtsi32_si128(2 * s)), m2);  // their top 2 bits
+          // per 8 codes (a 64-bit lane): codes 0..3 | codes 4..7 << 4 (nibbles), << 2 (2-bit parts)
+          c = _mm_or_si128(c, _mm_slli_epi32(_mm_srli_epi64(c, 32), 4));
+          x = _mm_or_si128(x, _mm_slli_epi32(_mm_srli_epi64(x, 32), 2));
+          uint8_t* go = o + gi * cgb;
+          wr32(go, (uint32_t)_mm_cvtsi128_si32(c));
+          wr32(go + 64, (uint32_t)_mm_cvtsi128_si32(_mm_srli_si128(c, 8)));
+          wr32(go + 128, (uint32_t)_mm_cvtsi128_si32(x) | (uint32_t)_mm_cvtsi128_si32(_mm_srli_si128(x, 8)) << 4);
+        }
+        continue;
+      }
+      std::memcpy(tail + 2 * r, g, 2);
+      std::memcpy(tail + 2 * TILE + 2 * r, g + 2, 2);
+      const uint8_t* s = g + 4;  // 8 x (6-bit sc, 6-bit min) in 12 bytes
+      for (int j = 0; j < 4; ++j) {
+        tail[4 * TILE + j * TILE + r] = s[j] & 0x3F;
+        tail[12 * TILE + j * TILE + r] = s[j + 4] & 0x3F;
+        tail[4 * TILE + (j + 4) * TILE + r] = (uint8_t)((s[j + 8] & 0x0F) | ((s[j] >> 2) & 0x30));
+        tail[12 * TILE + (j + 4) * TILE + r] = (uint8_t)((s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30));
+      }
+      const uint8_t* qs = g + (kind == PK_Q4K ? 16 : 48);
+      for (int i = 0; i < 4; ++i) {
+        uint8_t* g0 = o + 2 * i * cgb;
+        uint8_t* g1 = g0 + cgb;
+        for (int ch = 0; ch < 4; ++ch) {
+          const uint32_t lo = rd32(qs + 32 * i + 8 * ch), hi = rd32(qs + 32 * i + 8 * ch + 4);
+          wr32(g0 + 64 * ch, (lo & L4) | ((hi & L4) << 4));
+          wr32(g1 + 64 * ch, ((lo >> 4) & L4) | (hi & H4));
+        }
+      }
+      if (kind == PK_Q5K) {
+        const uint8_t* qh = g + 16;
+        for (int gi = 0; gi < 8; ++gi) {
+          uint32_t plane = 0;
+          for (int ch = 0; ch < 4; ++ch)
+            plane |= ((rd32(qh + 8 * ch) >> gi) & 0x01010101u) << (2 * ch)
+                   | ((rd32(qh + 8 * ch + 4) >> gi) & 0x01010101u) << (2 * ch + 1);
+          wr32(o + gi * cgb + 256, plane);
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 void repack_gguf_tiles(const std::string& type, const uint8_t* src, int64_t n, int64_t k, uint8_t* dst,
@@ -262,6 +352,13 @@ void repack_gguf_tiles(const std::string& type, const uint8_t* src, int64_t n, i
     for (int64_t tt = tile_b; tt < tile_e; ++tt) {
       const int64_t nvalid = n - tt * TILE < TILE ? n - tt * TILE : TILE;
       pack_simple_tile(*t, src + tt * TILE * row_bytes, row_bytes, nvalid, k, dst + tt * tile_stride);
+    }
+    return;
+  }
+  if (direct_kquant(t->twin)) {
+    for (int64_t tt = tile_b; tt < tile_e; ++tt) {
+      const int64_t nvalid = n - tt * TILE < TILE ? n - tt * TILE : TILE;
+      pack_kquant_tile(*t, src + tt * TILE * row_bytes, row_bytes, nvalid, k, dst + tt * tile_stride);
     }
     return;
   }
