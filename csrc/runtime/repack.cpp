@@ -214,7 +214,9 @@ namespace {
 // int8 codes as 4-byte pieces, row r's at r * 4 of each 64-byte chunk; 4-bit
 // codes as one dword per 8 elements, elements 8ch..8ch+3 in the low nibbles
 // and 8ch+4..8ch+7 in the high ones; then d (and m) per row. Measured on one
-// Zen 4 core, a 1B ffn_up (8192 x 2048), GB/s of output: Q8_0 3.4 -> 7.3, Q4_0 2.3 -> 4.2.
+// Zen 4 core, a 1B ffn_up (8192 x 2048), GB/s of output: Q8_0 3.4 -> 7.3, Q4_0 2.3 -> 4.2;
+// with each row's line after next prefetched: Q8_0 6.9 -> 8.5 ([2048, 8192] 8.0 -> 10.2), Q4_0 5.2 -> 6.1
+// (1 line ahead: 7.7, 4: 8.6 and Q4_0 5.7).
 bool direct_kind(int32_t kind) {  // the kinds pack_simple_tile writes, in the block layout it knows
   if (kind != PK_I8 && kind != PK_I4S && kind != PK_I4A) return false;
   return packed_block_bytes(kind, 32) == packed_group_code_bytes(kind, 32) + 2 * TILE * (kind == PK_I4A ? 2 : 1);
@@ -232,6 +234,7 @@ void pack_simple_tile(const GgufType& t, const uint8_t* src, int64_t row_bytes, 
     uint8_t* tail = blk + cgb;
     for (int64_t r = 0; r < nvalid; ++r) {
       const uint8_t* g = src + r * row_bytes + b * t.bytes;
+      __builtin_prefetch(g + 2 * 64);  // the row's line after next (16 streams: see pack_kquant_tile)
       std::memcpy(tail + 2 * r, g, 2);
       if (has_m) std::memcpy(tail + 2 * TILE + 2 * r, g + 2, 2);
       const uint8_t* q = g + qo;
