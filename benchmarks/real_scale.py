@@ -20,6 +20,7 @@ and each GGUF's load through the repacked-weights cache (weight_cache under
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -72,6 +73,7 @@ def main(argv=None) -> int:
                   ("decode / bw floor", None, d0 / lj.memory["decode_floor"])]
         # with the repacked-weights cache: the first load writes the entry, the next maps it
         cache_dir = str(d / "weight-cache")
+        shutil.rmtree(cache_dir, ignore_errors=True)  # an entry left by an earlier run would make "first" a map
         warm_page_cache(str(path))
         first = float(_load_time(str(path), weight_cache=cache_dir))
         cached = float(_load_time(str(path), weight_cache=cache_dir))
