@@ -46,7 +46,7 @@ uint64_t rd64(const uint8_t* p) {
 void wr32(uint8_t* p, uint32_t v) { std::memcpy(p, &v, 4); }
 void wr64(uint8_t* p, uint64_t v) { std::memcpy(p, &v, 8); }
 
-constexpr uint64_t LO4 = 0x0F0F0F0F0F0F0F0Full, ONES = 0x0101010101010101ull;
+constexpr uint64_t LO4 = 0x0F0F0F0F0F0F0F0Full;
 
 // bit i of a byte -> byte i (0 or 1) of a word: 8 high bits of Q5_0 / Q5_1 at once
 struct BitBytes {
@@ -70,126 +70,48 @@ void nibbles_32(const uint8_t* q, uint8_t* c) {
   }
 }
 
-// One row's decoded fields: codes [k], and the tail fields per group / super-block.
-// Word-wide (8 codes per operation): a 1B model's 1.2e9 weights repack in ~0.3 s.
+// Q5_0 / Q5_1, the kinds with no direct path below: one row's decoded fields,
+// codes [k] and d (and m) per group, then 16 rows packed as one tile.
+// Word-wide (8 codes per operation).
 struct Row {
   std::vector<uint8_t> codes;
-  std::vector<uint16_t> d, m;  // per group (simple kinds); per super-block D, DM (K-quants)
-  std::vector<uint8_t> sc, mn;  // per group (K-quants; Q6_K's sc as int8 bits)
+  std::vector<uint16_t> d, m;
 };
 
 void decode_row(const GgufType& t, const uint8_t* src, int64_t k, Row& r) {
-  const int64_t nb = k / t.qk;
-  for (int64_t b = 0; b < nb; ++b) {
+  const int o = t.twin == PK_I5S ? 2 : 4;  // the high bits' offset in the block (after d, m)
+  for (int64_t b = 0; b < k / 32; ++b) {
     const uint8_t* blk = src + b * t.bytes;
-    uint8_t* c = r.codes.data() + b * t.qk;
-    switch (t.twin) {
-      case PK_I8:
-        r.d[b] = rd16(blk);
-        std::memcpy(c, blk + 2, 32);
-        break;
-      case PK_I4S: case PK_I4A:
-        r.d[b] = rd16(blk);
-        if (t.twin == PK_I4A) r.m[b] = rd16(blk + 2);
-        nibbles_32(blk + (t.twin == PK_I4S ? 2 : 4), c);
-        break;
-      case PK_I5S: case PK_I5A: {
-        const int o = t.twin == PK_I5S ? 2 : 4;
-        r.d[b] = rd16(blk);
-        if (t.twin == PK_I5A) r.m[b] = rd16(blk + 2);
-        const uint32_t qh = rd32(blk + o);
-        nibbles_32(blk + o + 4, c);
-        for (int j = 0; j < 32; j += 8) wr64(c + j, rd64(c + j) | (kBits.t[(qh >> j) & 0xFF] << 4));
-        break;
-      }
-      case PK_Q4K: case PK_Q5K: {
-        r.d[b] = rd16(blk);
-        r.m[b] = rd16(blk + 2);
-        const uint8_t* s = blk + 4;  // 8 x (6-bit sc, 6-bit min) in 12 bytes
-        for (int j = 0; j < 4; ++j) {
-          r.sc[b * 8 + j] = s[j] & 0x3F;
-          r.mn[b * 8 + j] = s[j + 4] & 0x3F;
-          r.sc[b * 8 + j + 4] = (uint8_t)((s[j + 8] & 0x0F) | ((s[j] >> 2) & 0x30));
-          r.mn[b * 8 + j + 4] = (uint8_t)((s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30));
-        }
-        const uint8_t* qs = blk + (t.twin == PK_Q4K ? 16 : 48);
-        for (int i = 0; i < 4; ++i)  // qs[32 i + j]: low = element 64 i + j, high = 64 i + 32 + j
-          for (int j = 0; j < 32; j += 8) {
-            const uint64_t w = rd64(qs + 32 * i + j);
-            wr64(c + 64 * i + j, w & LO4);
-            wr64(c + 64 * i + 32 + j, (w >> 4) & LO4);
-          }
-        if (t.twin == PK_Q5K)  // bit s of qh[j]: element 32 s + j
-          for (int sb = 0; sb < 8; ++sb)
-            for (int j = 0; j < 32; j += 8)
-              wr64(c + 32 * sb + j, rd64(c + 32 * sb + j) | (((rd64(blk + 16 + j) >> sb) & ONES) << 4));
-        break;
-      }
-      default: {  // PK_Q6K
-        const uint8_t *ql = blk, *qh = blk + 128;
-        for (int h = 0; h < 2; ++h) {
-          for (int l = 0; l < 64; l += 8) {  // ql[64 h + l]: low = element 128 h + l, high = 128 h + 64 + l
-            const uint64_t w = rd64(ql + 64 * h + l);
-            wr64(c + 128 * h + l, w & LO4);
-            wr64(c + 128 * h + 64 + l, (w >> 4) & LO4);
-          }
-          for (int s = 0; s < 4; ++s)  // bits 2s, 2s + 1 of qh[32 h + l]: element 128 h + 32 s + l
-            for (int l = 0; l < 32; l += 8) {
-              uint8_t* e = c + 128 * h + 32 * s + l;
-              wr64(e, rd64(e) | (((rd64(qh + 32 * h + l) >> (2 * s)) & (3 * ONES)) << 4));
-            }
-        }
-        std::memcpy(r.sc.data() + b * 16, blk + 192, 16);
-        r.d[b] = rd16(blk + 208);
-      }
-    }
+    uint8_t* c = r.codes.data() + b * 32;
+    r.d[b] = rd16(blk);
+    if (t.twin == PK_I5A) r.m[b] = rd16(blk + 2);
+    const uint32_t qh = rd32(blk + o);
+    nibbles_32(blk + o + 4, c);
+    for (int j = 0; j < 32; j += 8) wr64(c + j, rd64(c + j) | (kBits.t[(qh >> j) & 0xFF] << 4));
   }
 }
 
 // Rows [16 t, 16 t + 16) (decoded; rows past n are zero) as one packed tile at dst.
-void pack_tile(int32_t kind, int64_t k, int64_t G, const std::vector<Row>& rows, int64_t nvalid, uint8_t* dst) {
-  const int64_t S = packed_super(kind), ng = k / G, nsb = ng / S, bits = packed_code_bits(kind);
-  const int64_t cgb = packed_group_code_bytes(kind, G), bb = packed_block_bytes(kind, G);
-  const int hb = (int)bits - 4;
-  const uint32_t hmask = hb == 1 ? 0x01010101u : 0x03030303u;
-  std::memset(dst, 0, (size_t)(nsb * bb));
-  for (int64_t sb = 0; sb < nsb; ++sb) {
-    uint8_t* blk = dst + sb * bb;
+void pack_tile(int32_t kind, int64_t k, const std::vector<Row>& rows, int64_t nvalid, uint8_t* dst) {
+  const int64_t ng = k / 32, cgb = packed_group_code_bytes(kind, 32), bb = packed_block_bytes(kind, 32);
+  std::memset(dst, 0, (size_t)(ng * bb));
+  for (int64_t g = 0; g < ng; ++g) {
+    uint8_t* blk = dst + g * bb;
+    uint8_t* tail = blk + cgb;
     for (int64_t r = 0; r < nvalid; ++r) {
       const Row& R = rows[r];
-      for (int64_t j = 0; j < S; ++j) {
-        const uint8_t* c = R.codes.data() + (sb * S + j) * G;
-        uint8_t* gc = blk + j * cgb;
-        if (bits == 8) {
-          for (int64_t ch = 0; ch < G / 4; ++ch) std::memcpy(gc + ch * 64 + 4 * r, c + 4 * ch, 4);
-          continue;
-        }
-        // chunk ch, row r: 4 bytes = codes 8 ch + jj | codes 8 ch + 4 + jj << 4 (jj = 0..3);
-        // the plane's 4 bytes collect the high parts, slot 2 ch + h at bit hb (2 ch + h)
-        uint32_t plane = 0;
-        for (int64_t ch = 0; ch < G / 8; ++ch) {
-          const uint32_t lo = rd32(c + 8 * ch), hi = rd32(c + 8 * ch + 4);
-          wr32(gc + ch * 64 + 4 * r, (lo & 0x0F0F0F0Fu) | ((hi & 0x0F0F0F0Fu) << 4));
-          if (hb > 0)
-            plane |= (((lo >> 4) & hmask) << (hb * 2 * ch)) | (((hi >> 4) & hmask) << (hb * (2 * ch + 1)));
-        }
-        if (hb > 0) wr32(gc + (G / 8) * 64 + 4 * r, plane);
+      const uint8_t* c = R.codes.data() + g * 32;
+      // chunk ch, row r: 4 bytes = codes 8 ch + jj | codes 8 ch + 4 + jj << 4 (jj = 0..3);
+      // the plane's 4 bytes collect the fifth bits, slot 2 ch + h at bit 2 ch + h
+      uint32_t plane = 0;
+      for (int64_t ch = 0; ch < 4; ++ch) {
+        const uint32_t lo = rd32(c + 8 * ch), hi = rd32(c + 8 * ch + 4);
+        wr32(blk + ch * 64 + 4 * r, (lo & 0x0F0F0F0Fu) | ((hi & 0x0F0F0F0Fu) << 4));
+        plane |= (((lo >> 4) & 0x01010101u) << (2 * ch)) | (((hi >> 4) & 0x01010101u) << (2 * ch + 1));
       }
-      uint8_t* tail = blk + S * cgb;
-      if (S == 1) {
-        std::memcpy(tail + 2 * r, &R.d[sb], 2);
-        if (kind == PK_I4A || kind == PK_I5A) std::memcpy(tail + 2 * TILE + 2 * r, &R.m[sb], 2);
-      } else if (kind == PK_Q6K) {
-        std::memcpy(tail + 2 * r, &R.d[sb], 2);
-        for (int64_t j = 0; j < S; ++j) tail[2 * TILE + j * TILE + r] = R.sc[sb * S + j];
-      } else {
-        std::memcpy(tail + 2 * r, &R.d[sb], 2);
-        std::memcpy(tail + 2 * TILE + 2 * r, &R.m[sb], 2);
-        for (int64_t j = 0; j < S; ++j) {
-          tail[4 * TILE + j * TILE + r] = R.sc[sb * S + j];
-          tail[4 * TILE + 8 * TILE + j * TILE + r] = R.mn[sb * S + j];
-        }
-      }
+      wr32(blk + 4 * 64 + 4 * r, plane);
+      std::memcpy(tail + 2 * r, &R.d[g], 2);
+      if (kind == PK_I5A) std::memcpy(tail + 2 * TILE + 2 * r, &R.m[g], 2);
     }
   }
 }
@@ -209,19 +131,14 @@ int32_t gguf_twin(const std::string& name, int64_t* qk, int64_t* block_bytes) {
 namespace {
 
 // Q8_0, Q4_0, Q4_1 (one group per block, 8 or 4 bits): each GGUF block goes
-// straight into its tile's block, no per-row staging. The same bytes as
-// decode_row + pack_tile (the tests compare both with the gguf package):
+// straight into its tile's block, no per-row staging (the same bytes as
+// formats/packed.py's specification):
 // int8 codes as 4-byte pieces, row r's at r * 4 of each 64-byte chunk; 4-bit
 // codes as one dword per 8 elements, elements 8ch..8ch+3 in the low nibbles
 // and 8ch+4..8ch+7 in the high ones; then d (and m) per row. Measured on one
 // Zen 4 core, a 1B ffn_up (8192 x 2048), GB/s of output: Q8_0 3.4 -> 7.3, Q4_0 2.3 -> 4.2;
 // with each row's line after next prefetched: Q8_0 6.9 -> 8.5 ([2048, 8192] 8.0 -> 10.2), Q4_0 5.2 -> 6.1
 // (1 line ahead: 7.7, 4: 8.6 and Q4_0 5.7).
-bool direct_kind(int32_t kind) {  // the kinds pack_simple_tile writes, in the block layout it knows
-  if (kind != PK_I8 && kind != PK_I4S && kind != PK_I4A) return false;
-  return packed_block_bytes(kind, 32) == packed_group_code_bytes(kind, 32) + 2 * TILE * (kind == PK_I4A ? 2 : 1);
-}
-
 void pack_simple_tile(const GgufType& t, const uint8_t* src, int64_t row_bytes, int64_t nvalid, int64_t k,
                       uint8_t* dst) {
   const int32_t kind = t.twin;
@@ -253,30 +170,24 @@ void pack_simple_tile(const GgufType& t, const uint8_t* src, int64_t row_bytes, 
 }
 
 // Q4_K, Q5_K, Q6_K: each super-block of each row goes straight into its
-// tile's block (the same bytes as decode_row + pack_tile). Q4_K / Q5_K: qs[32 i
+// tile's block (formats/packed.py's bytes). Q4_K / Q5_K: qs[32 i
 // + j] holds element 64 i + j in its low nibble (group 2 i) and 64 i + 32 + j in
 // its high one (group 2 i + 1); Q5_K's fifth bit of element 32 s + j is bit s of
 // qh[j]. Q6_K (groups of 16): ql[64 h + l] holds element 128 h + l low and 128 h
 // + 64 + l high, bits 2 s, 2 s + 1 of qh[32 h + l] are element 128 h + 32 s + l's
 // top two. The high parts go into each group's plane: code 8 ch + jj's at bit
 // hb (2 ch) of byte jj, code 8 ch + 4 + jj's at bit hb (2 ch + 1).
-bool direct_kquant(int32_t kind) {
-  const int64_t G = kind == PK_Q6K ? 16 : 32;
-  if (kind != PK_Q4K && kind != PK_Q5K && kind != PK_Q6K) return false;
-  return packed_super(kind) * G == 256 && packed_group_code_bytes(kind, G) == (G / 8 + (kind != PK_Q4K)) * 64;
-}
-
 void pack_kquant_tile(const GgufType& t, const uint8_t* src, int64_t row_bytes, int64_t nvalid, int64_t k,
                       uint8_t* dst) {
   const int32_t kind = t.twin;
-  const int64_t G = kind == PK_Q6K ? 16 : 32, S = packed_super(kind);
+  const int64_t G = packed_fixed_group(kind), S = packed_super(kind);
   const int64_t cgb = packed_group_code_bytes(kind, G), bb = packed_block_bytes(kind, G), nsb = k / 256;
   constexpr uint32_t L4 = 0x0F0F0F0Fu, H4 = 0xF0F0F0F0u;
   if (nvalid < TILE) std::memset(dst, 0, (size_t)(nsb * bb));
   for (int64_t sb = 0; sb < nsb; ++sb) {
+    uint8_t* blk = dst + sb * bb;
+    uint8_t* tail = blk + S * cgb;
     for (int64_t r = 0; r < nvalid; ++r) {
-      uint8_t* blk = dst + sb * bb;
-      uint8_t* tail = blk + S * cgb;
       const uint8_t* g = src + r * row_bytes + sb * t.bytes;
       uint8_t* o = blk + 4 * r;
       // 16 rows read side by side are more streams than the hardware prefetchers follow: this row's
@@ -340,6 +251,19 @@ void pack_kquant_tile(const GgufType& t, const uint8_t* src, int64_t row_bytes, 
   }
 }
 
+// The writer of each kind's tiles straight from the file, or null for Q5_0 / Q5_1
+// (decode_row + pack_tile). Every one writes common.h's layout:
+// test_cpp_repack_equals_the_numpy_specification holds each GGUF type to
+// formats/packed.py byte for byte.
+using PackTile = void (*)(const GgufType&, const uint8_t*, int64_t, int64_t, int64_t, uint8_t*);
+PackTile direct_packer(int32_t kind) {
+  switch (kind) {
+    case PK_I8: case PK_I4S: case PK_I4A: return pack_simple_tile;
+    case PK_Q4K: case PK_Q5K: case PK_Q6K: return pack_kquant_tile;
+    default: return nullptr;
+  }
+}
+
 }  // namespace
 
 void repack_gguf_tiles(const std::string& type, const uint8_t* src, int64_t n, int64_t k, uint8_t* dst,
@@ -348,35 +272,24 @@ void repack_gguf_tiles(const std::string& type, const uint8_t* src, int64_t n, i
   for (const GgufType& x : kTypes)
     if (type == x.name) t = &x;
   if (!t) throw std::invalid_argument("no packed twin for GGUF type " + type);
-  const int64_t G = packed_fixed_group(t->twin) ? packed_fixed_group(t->twin) : 32;
-  const int64_t ng = k / G, S = packed_super(t->twin), nsb = ng / S;
   const int64_t row_bytes = k / t->qk * t->bytes;
-  if (direct_kind(t->twin)) {
+  if (const PackTile direct = direct_packer(t->twin)) {
     for (int64_t tt = tile_b; tt < tile_e; ++tt) {
       const int64_t nvalid = n - tt * TILE < TILE ? n - tt * TILE : TILE;
-      pack_simple_tile(*t, src + tt * TILE * row_bytes, row_bytes, nvalid, k, dst + tt * tile_stride);
-    }
-    return;
-  }
-  if (direct_kquant(t->twin)) {
-    for (int64_t tt = tile_b; tt < tile_e; ++tt) {
-      const int64_t nvalid = n - tt * TILE < TILE ? n - tt * TILE : TILE;
-      pack_kquant_tile(*t, src + tt * TILE * row_bytes, row_bytes, nvalid, k, dst + tt * tile_stride);
+      direct(*t, src + tt * TILE * row_bytes, row_bytes, nvalid, k, dst + tt * tile_stride);
     }
     return;
   }
   std::vector<Row> rows(TILE);
   for (Row& r : rows) {
     r.codes.assign((size_t)k, 0);
-    r.d.assign((size_t)(S > 1 ? nsb : ng), 0);
+    r.d.assign((size_t)(k / 32), 0);
     r.m.assign(r.d.size(), 0);
-    r.sc.assign((size_t)ng, 0);
-    r.mn.assign((size_t)ng, 0);
   }
   for (int64_t tt = tile_b; tt < tile_e; ++tt) {
     const int64_t nvalid = n - tt * TILE < TILE ? n - tt * TILE : TILE;
     for (int64_t r = 0; r < nvalid; ++r) decode_row(*t, src + (tt * TILE + r) * row_bytes, k, rows[r]);
-    pack_tile(t->twin, k, G, rows, nvalid, dst + tt * tile_stride);
+    pack_tile(t->twin, k, rows, nvalid, dst + tt * tile_stride);
   }
 }
 
