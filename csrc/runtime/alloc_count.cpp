@@ -43,6 +43,9 @@ int64_t step_allocations() { return g_step_allocs.load(std::memory_order_relaxed
 #define LJ_HIDDEN
 #else
 #define LJ_HIDDEN __attribute__((visibility("hidden")))
+// gcc keeps it on all but the two plain operator new and says so for each:
+// those two are then exported as with clang (above), which is what we want
+#pragma GCC diagnostic ignored "-Wattributes"
 #endif
 LJ_HIDDEN void* operator new(std::size_t n) { return lj::counted(n, 0); }
 LJ_HIDDEN void* operator new[](std::size_t n) { return lj::counted(n, 0); }
