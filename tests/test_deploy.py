@@ -11,9 +11,11 @@ Offline checks, no cluster and no Docker daemon:
   the Dockerfile to the ServiceMonitor.
 - Every PromQL query names only metrics the server exports.
 - The Dockerfile's build stage copies only files that exist and installs the
-  pinned packages; and its RUN lines are replayed in a fresh venv, from which
-  `llamajet serve` starts (about 4 minutes on 2 cores: it compiles the C++
-  core; LLAMAJET_REPLAY_DOCKERFILE=0 skips it for a quick local run; CI runs it).
+  pinned packages; and its RUN lines are replayed in a fresh venv (a wheel
+  installed outside the repository, as a user's), from which `llamajet serve`
+  starts and the default `llamajet bench` runs (about 1.5 minutes on 2 cores,
+  most of it compiling the C++ core; LLAMAJET_REPLAY_DOCKERFILE=0 skips it for
+  a quick local run; CI runs it).
 """
 
 from __future__ import annotations
@@ -625,15 +627,27 @@ def replay_build_stage(tmp_path: Path) -> Path:
     return venv
 
 
-@pytest.mark.skipif(os.environ.get("LLAMAJET_REPLAY_DOCKERFILE") == "0",
-                    reason="LLAMAJET_REPLAY_DOCKERFILE=0: the Dockerfile replay (about 4 minutes) is skipped")
-def test_replay_dockerfile_and_serve(tmp_path):
-    venv = replay_build_stage(tmp_path)
+@pytest.fixture(scope="module")
+def image_venv(tmp_path_factory) -> Path:
+    """The image's venv, replayed once for the tests that use it."""
+    if os.environ.get("LLAMAJET_REPLAY_DOCKERFILE") == "0":
+        pytest.skip("LLAMAJET_REPLAY_DOCKERFILE=0: the Dockerfile replay (about 1.5 minutes) is skipped")
+    return replay_build_stage(tmp_path_factory.mktemp("image"))
+
+
+def _outside_env(venv: Path, home: Path) -> dict:
+    """The environment of a user of the installed package: its venv first on PATH, no trace of the checkout."""
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "LLAMAJET_API_KEY")}
+    env.update(PATH=f"{venv / 'bin'}:{env['PATH']}", HOME=str(home), PYTHONUNBUFFERED="1")
+    return env
+
+
+def test_replay_dockerfile_and_serve(image_venv, tmp_path):
+    venv = image_venv
     port, drain = free_port(), 5
     home = tmp_path / "home"
     home.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "LLAMAJET_API_KEY")}
-    env.update(PATH=f"{venv / 'bin'}:{env['PATH']}", HOME=str(home), PYTHONUNBUFFERED="1")
+    env = _outside_env(venv, home)
     log = (tmp_path / "serve.log").open("w")
     # the image's ENTRYPOINT, on a free port and loopback
     proc = subprocess.Popen([str(venv / "bin" / "llamajet"), "serve", "--host", "127.0.0.1", "--port", str(port),
@@ -663,3 +677,33 @@ def test_replay_dockerfile_and_serve(tmp_path):
             proc.kill()
             proc.wait()
         log.close()
+
+
+def test_default_bench_runs_from_the_installed_wheel_outside_the_repository(image_venv, tmp_path):
+    """`llamajet bench` as the README types it, from the image's venv (a wheel, no checkout beside it):
+    it needs no corpus (prompts drawn from the model's vocabulary), prints each round as it is measured
+    (before the table), and ends with the table."""
+    env = _outside_env(image_venv, tmp_path)
+    r = subprocess.run([str(image_venv / "bin" / "llamajet"), "bench", "--rounds", "1"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = r.stdout.splitlines()
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert any("prompts: seeded draws from the model's vocabulary" in line for line in out), r.stdout
+    progress = next(i for i, line in enumerate(out) if line.strip().startswith("round 1/1"))
+    table = next(i for i, line in enumerate(out) if line.startswith("engine "))
+    assert progress < table, r.stdout
+    row = out[table + 2].split()  # "llamajet (isa, kernels)", prefill 128 / 512, decode (tok/s), RSS, load
+    assert row[0] == "llamajet" and all(float(v) > 0 for v in row[-5:-2]), r.stdout
+
+
+def test_bench_without_llama_cpp_says_how_to_install_it(image_venv, tmp_path):
+    """--vs-llama-cpp where llama-cpp-python is not installed (the image has none): one line, no traceback,
+    before any model is loaded."""
+    env = _outside_env(image_venv, tmp_path)
+    r = subprocess.run([str(image_venv / "bin" / "llamajet"), "bench", "--vs-llama-cpp"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr and r.stdout == "", (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pip install llama-cpp-python==0.3.36" in lines[0], r.stderr

@@ -169,7 +169,8 @@ def cmd_bench(a) -> int:
     if a.batch is None:  # single stream: prefill 128 / 512, decode 128, peak RSS
         from llamajet.eval.bench_latency import run
 
-        print(run(a.model, runtime_config(a), a.rounds, a.vs_llama_cpp, a.corpus, a.json, a.vs_no_fuse))
+        print(run(a.model, runtime_config(a), a.rounds, a.vs_llama_cpp, a.corpus, a.json, a.vs_no_fuse,
+                  progress=lambda line: print(line, flush=True)))
         return 0
     from llamajet.eval.bench import main as bench_main
 
@@ -314,7 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch", default=None, help="concurrent sequences, comma-separated, e.g. 1,4,16,64")
     b.add_argument("--prompt-tokens", type=int, default=64, help="prompt length of every sequence")
     b.add_argument("--max-tokens", "-n", type=int, default=128, help="tokens generated per sequence")
-    b.add_argument("--corpus", default=None, help="text the prompts are cut from (default: WikiText-2 test)")
+    b.add_argument("--corpus", default=None,
+                   help="text the prompts are cut from (default: seeded draws from the model's vocabulary)")
     b.add_argument("--json", default=None, help="also write the results to this JSON file")
     b.set_defaults(fn=cmd_bench)
     ev = sub.add_parser("eval", help="perplexity, KL and top-1 vs the float model, size and speed of several "

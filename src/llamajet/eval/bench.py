@@ -2,8 +2,8 @@
 
     llamajet bench --batch 1,4,16,64
 
-For each batch size B, B requests with different prompts (consecutive
-windows of WikiText-2, or seeded random ids without the corpus) of
+For each batch size B, B requests with different prompts (seeded draws
+from the model's vocabulary, or consecutive windows of --corpus) of
 `prompt_tokens` tokens each generate `max_tokens` tokens greedily (EOS
 ignored, so every sequence runs the full length). The engine is stepped
 directly and every step is timed:
@@ -29,7 +29,6 @@ from pathlib import Path
 import numpy as np
 
 from llamajet.engine.sampling import SamplingParams
-from llamajet.eval.perplexity import DEFAULT_CORPUS
 
 
 @dataclass
@@ -58,20 +57,35 @@ class BatchResult:
         return self.kv_tokens / self.kv_slots if self.kv_slots else float("nan")
 
 
-def bench_prompts(tokenizer, n: int, length: int, corpus: Path | None, vocab: int) -> list[list[int]]:
-    """n different prompts of `length` tokens."""
-    if corpus is not None and corpus.is_file():
-        text = corpus.read_text(encoding="utf-8")
-        need, chars = n * length, n * length * 8
-        while True:
-            ids = tokenizer.encode(text[:chars], add_special_tokens=False)
-            if len(ids) >= need or chars >= len(text):
-                break
-            chars *= 2
+def prompt_ids(tokenizer, vocab: int, need: int, corpus: Path | None = None, seed: int = 0) -> list[int]:
+    """At least `need` token ids for timing runs.
+
+    Without a corpus: seeded draws from the model's own vocabulary, its added
+    and special tokens left out, so the bench needs no file beside the model
+    (an installed wheel has no corpus; speed does not depend on which ordinary
+    tokens a prompt holds). With one: the text's tokens, from the start.
+    """
+    if corpus is None:
+        skip = np.fromiter(tokenizer.added_ids, dtype=np.int64) if tokenizer.added_ids else np.empty(0, np.int64)
+        ordinary = np.setdiff1d(np.arange(vocab, dtype=np.int64), skip)
+        return np.random.default_rng(seed).choice(ordinary, size=need).tolist()
+    if not corpus.is_file():
+        raise SystemExit(f"llamajet bench: --corpus {corpus}: no such file")
+    text = corpus.read_text(encoding="utf-8")
+    chars = need * 8
+    while True:
+        ids = tokenizer.encode(text[:chars], add_special_tokens=False)
         if len(ids) >= need:
-            return [ids[i * length : (i + 1) * length] for i in range(n)]
-    g = np.random.default_rng(0)
-    return g.integers(0, vocab, size=(n, length)).tolist()
+            return ids
+        if chars >= len(text):
+            raise SystemExit(f"llamajet bench: --corpus {corpus} has {len(ids)} tokens; this bench needs {need}")
+        chars *= 2
+
+
+def bench_prompts(tokenizer, n: int, length: int, corpus: Path | None, vocab: int) -> list[list[int]]:
+    """n different prompts of `length` tokens (prompt_ids cut in windows)."""
+    ids = prompt_ids(tokenizer, vocab, n * length, corpus)
+    return [ids[i * length : (i + 1) * length] for i in range(n)]
 
 
 def run_batch(llm, prompts: list[list[int]], max_tokens: int) -> BatchResult:
@@ -139,7 +153,7 @@ def main(a) -> int:
                            kv_cache_tokens=max(batches) * (-(-length // cfg.block_size)) * cfg.block_size)
     llm = LLM(a.model, cfg)
     vocab = llm.config.vocab_size
-    corpus = Path(a.corpus) if a.corpus else DEFAULT_CORPUS
+    corpus = Path(a.corpus) if a.corpus else None
     prompts = bench_prompts(llm.tokenizer, max(batches), a.prompt_tokens, corpus, vocab)
     run_batch(llm, prompts[:1], 4)  # warm-up: code paths, thread pool
     print(f"model: {llm.path.name}  isa: {llm.isa}  threads: {llm.n_threads}  kv: {cfg.kv_dtype}, "

@@ -8,8 +8,9 @@ Each engine runs in its own worker process (so its peak RSS is its own) and
 loads the model once; the parent alternates the engines round by round
 (and which goes first), because this machine's speed drifts minute to
 minute: only figures measured side by side in one run are compared. Both
-engines get the same token ids (llamajet's tokenizer on WikiText-2; the
-vocabulary is the GGUF's for both) and the same thread count. llama.cpp
+engines get the same token ids (seeded draws from the model's vocabulary,
+or the tokens of --corpus; the vocabulary is the GGUF's for both) and the
+same thread count. Each figure is printed as it is measured (`progress`). llama.cpp
 (PyPI llama-cpp-python, built with -DGGML_NATIVE=ON) runs at its best
 settings: flash attention, n_batch 512, n_threads = n_threads_batch.
 """
@@ -23,7 +24,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llamajet.eval.perplexity import DEFAULT_CORPUS
 
 PROMPTS = (128, 512)
 NEW_TOKENS = 128
@@ -172,31 +172,58 @@ def warm_page_cache(model: str) -> None:
                 pass
 
 
+LLAMA_CPP_HINT = ("llamajet bench --vs-llama-cpp needs llama-cpp-python: CMAKE_ARGS=\"-DGGML_NATIVE=ON\" "
+                  "pip install llama-cpp-python==0.3.36 (builds from source, ~6 min; CPUs with AMX: the README's flags)")
+
+
+def _machine_load() -> str:
+    """What else the machine was doing just before the run (these machines are shared)."""
+    import os
+
+    try:
+        one, five, _ = os.getloadavg()
+    except OSError:
+        return "load average unknown"
+    n = os.cpu_count() or 1
+    busy = "busy" if one > 0.5 else "quiet"
+    return f"machine {busy} before the run: load average {one:.2f} (1 min), {five:.2f} (5 min) on {n} cores"
+
+
 def run(model: str | None = None, cfg=None, rounds: int = 3, vs_llama_cpp: bool = False,
         corpus: Path | None = None, json_path: str | None = None, vs_no_fuse: bool = False,
-        long_prompt: int = 0, figures: list | None = None) -> str:
+        long_prompt: int = 0, figures: list | None = None, progress=None) -> str:
     """`cfg`: the RuntimeConfig both llamajet workers start from (threads, kernels, KV type, ...).
+    corpus: a text to cut the prompts from (default: draws from the model's vocabulary).
     long_prompt: also decode after a prompt of that many tokens (both engines' context grows to hold it).
-    figures: a list the EngineFigures are appended to (for callers that tabulate)."""
+    figures: a list the EngineFigures are appended to (for callers that tabulate).
+    progress: called with a line for each figure as it is measured (the CLI prints them)."""
+    import importlib.util
+
     from llamajet.config import RuntimeConfig
+    from llamajet.eval.bench import prompt_ids
     from llamajet.loaders import load_model
     from llamajet.models import default_model_path
     from llamajet.ops import default_threads, read_bandwidth
     from llamajet.tokenizer import load_tokenizer, tokenizer_from_gguf
 
+    if vs_llama_cpp and importlib.util.find_spec("llama_cpp") is None:
+        raise SystemExit(LLAMA_CPP_HINT)
+    say = progress or (lambda line: None)
     model = str(model or default_model_path())
     cfg = cfg or RuntimeConfig()
     threads = cfg.n_threads or default_threads()
+    load_note = _machine_load()
     lm = load_model(model)
     tok = tokenizer_from_gguf(lm.gguf_reader) if lm.gguf_reader is not None else load_tokenizer(model)
-    text = Path(corpus or DEFAULT_CORPUS).read_text(encoding="utf-8")[:200_000]
-    ids = tok.encode(text, add_special_tokens=False)
+    need = 2000 + max(long_prompt, PROMPTS[-1])
+    ids = prompt_ids(tok, lm.config.vocab_size, need, Path(corpus) if corpus else None)
+    source = f"the tokens of {corpus}" if corpus else "seeded draws from the model's vocabulary"
     prompts = {p: ids[1000 : 1000 + p] for p in PROMPTS}
     long_ids = ids[2000 : 2000 + long_prompt] if long_prompt else None
-    if long_prompt and len(long_ids) < long_prompt:
-        raise SystemExit(f"the corpus has fewer than {2000 + long_prompt} tokens")
     max_len = max(1024, long_prompt + NEW_TOKENS + 16)
     del lm
+    say(f"llamajet bench: {model}; threads {threads}, {rounds} rounds alternating; prompts: {source}")
+    say(load_note)
     warm_page_cache(model)
     ctx = mp.get_context("spawn")
     workers = [("llamajet", _llamajet_worker, True)]
@@ -212,8 +239,10 @@ def run(model: str | None = None, cfg=None, rounds: int = 3, vs_llama_cpp: bool 
         procs.append(pr)
         tag, label, load, memory = conns[-1].recv()
         figs.append(EngineFigures(label, load_s=load, memory=memory))
-    for c in conns:  # warm-up round, not recorded
+        say(f"  {label}: loaded in {load:.2f} s")
+    for c, f in zip(conns, figs):  # warm-up round, not recorded
         _round(c, prompts, EngineFigures("warm-up"))
+        say(f"  {f.name}: warm-up round done")
     # the machine's read bandwidth, measured in this run between the rounds
     # (here, in the parent: the workers' peak RSS stays theirs), on a buffer
     # far larger than the caches
@@ -224,13 +253,17 @@ def run(model: str | None = None, cfg=None, rounds: int = 3, vs_llama_cpp: bool 
             order.reverse()
         for i in order:
             _round(conns[i], prompts, figs[i], long_ids)
+            f = figs[i]
+            say(f"  round {r + 1}/{rounds} {f.name}: prefill " + ", ".join(f"{p} {f.prefill[p][-1]:.1f}" for p in PROMPTS)
+                + f"; decode {f.decode[-1]:.1f}" + (f", after {long_prompt}: {f.decode_long[-1]:.1f}" if long_prompt
+                                                    else "") + " tok/s")
         bw.append(read_bandwidth(1 << 30, threads, 3))
     for c, pr, f in zip(conns, procs, figs):
         c.send(None)
         f.peak_rss_mib = c.recv()[1]
         pr.join()
     lines = [f"model {model}", f"threads {threads}, {rounds} rounds alternating, medians; decode over {NEW_TOKENS} "
-             f"new tokens after the {PROMPTS[0]}-token prompt", ""]
+             f"new tokens after the {PROMPTS[0]}-token prompt; prompts: {source}", load_note, ""]
     longh = f" {'dec@' + str(long_prompt):>9s}" if long_prompt else ""
     hdr = (f"{'engine':34s} " + " ".join(f"{'prefill ' + str(p):>12s}" for p in PROMPTS) + f" {'decode':>9s}" + longh
            + f" {'peak RSS':>9s} {'load':>7s}")
