@@ -78,7 +78,7 @@ run() {  # tier, files...
   local tier=$1; shift
   echo "sanitize: tier ${tier:-best}: $*" | tr -s ' \n' ' '; echo
   # --capture=sys: pytest leaves fd 2 alone, so a report reaches the log even when it aborts the process
-  LLAMAJET_ISA=$tier "$PY" -m pytest -q -rfE --capture=sys -p no:cacheprovider "$@" 2>&1 | tee -a "$LOG" || status=1
+  LLAMAJET_ISA=$tier "$PY" -m pytest -q -rfE --durations=10 --capture=sys -p no:cacheprovider "$@" 2>&1 | tee -a "$LOG" || status=1
 }
 TIERS=$("$PY" -c 'import sys; sys.path.insert(0, "tests"); import sancore; sancore.use_core_from_env()
 from llamajet import ops; print(" ".join(ops.supported_isas()))')
