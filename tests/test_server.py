@@ -571,6 +571,37 @@ def test_default_threads_honour_the_cgroup_quota(tmp_path):
     assert default_threads(str(tmp_path)) == 1
 
 
+def test_cgroup_quota_is_read_from_this_process_child_cgroup(tmp_path):
+    """The quota comes from the cgroup /proc/self/cgroup names and its
+    ancestors (the tightest wins), not only the hierarchy's root."""
+    from llamajet.ops.dispatch import cgroup_cpu_limit, default_threads, physical_cores
+
+    proc = tmp_path / "cgroup"
+    # v2: root unlimited, the child limited to 1.5 CPUs, a grandchild unlimited
+    (tmp_path / "v2" / "kube" / "pod1").mkdir(parents=True)
+    (tmp_path / "v2" / "cpu.max").write_text("max 100000\n")
+    (tmp_path / "v2" / "kube" / "cpu.max").write_text("150000 100000\n")
+    (tmp_path / "v2" / "kube" / "pod1" / "cpu.max").write_text("max 100000\n")
+    proc.write_text("0::/kube/pod1\n")
+    assert cgroup_cpu_limit(str(tmp_path / "v2"), str(proc)) == 1.5
+    assert default_threads(str(tmp_path / "v2"), str(proc)) == min(physical_cores(), 2)
+    # the same tree with this process at the root: unlimited
+    proc.write_text("0::/\n")
+    assert cgroup_cpu_limit(str(tmp_path / "v2"), str(proc)) is None
+    # v1: the cpu controller mounted as cpu,cpuacct; the child's own quota is the tightest
+    d = tmp_path / "v1" / "cpu,cpuacct" / "job"
+    d.mkdir(parents=True)
+    (d.parent / "cpu.cfs_quota_us").write_text("-1\n")
+    (d.parent / "cpu.cfs_period_us").write_text("100000\n")
+    (d / "cpu.cfs_quota_us").write_text("50000\n")
+    (d / "cpu.cfs_period_us").write_text("100000\n")
+    proc.write_text("4:memory:/other\n3:cpu,cpuacct:/job\n0::/\n")
+    assert cgroup_cpu_limit(str(tmp_path / "v1"), str(proc)) == 0.5
+    assert default_threads(str(tmp_path / "v1"), str(proc)) == 1
+    # unreadable /proc file: the root alone is looked at
+    assert cgroup_cpu_limit(str(tmp_path / "v2"), str(tmp_path / "missing")) is None
+
+
 def test_hermes_tool_calls_on_a_qwen2_template(tmp_path, qwen25_tokenizer_dir):
     """Qwen2.5's template shows the tools itself and wants <tool_call>...</tool_call>: the grammar
     writes that format and the parser reads it back (a random-weight Qwen2 of the real vocabulary)."""

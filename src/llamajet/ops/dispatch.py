@@ -65,33 +65,75 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
-def cgroup_cpu_limit(root: str = "/sys/fs/cgroup") -> float | None:
-    """The CPU quota of this process's cgroup in CPUs (cgroup v2 `cpu.max`,
-    else v1 `cpu.cfs_quota_us / cpu.cfs_period_us`), None when unlimited or
-    unknown. A container limited to 2 CPUs on a 64-core node reports 64
-    cores everywhere else; threads beyond its quota are throttled, and a
-    throttled matmul thread stalls every other one at the next barrier."""
+def _cgroup_paths(proc_cgroup: str) -> tuple[str | None, str | None]:
+    """(v2 path, v1 cpu-controller path) of this process's cgroup, read from
+    /proc/self/cgroup ('0::/a/b' for v2; 'N:cpu,cpuacct:/a/b' for v1)."""
+    v2 = v1 = None
     try:
-        with open(os.path.join(root, "cpu.max")) as f:
-            quota, period = f.read().split()[:2]
-        return None if quota == "max" else max(int(quota) / int(period), 0.0) or None
-    except (OSError, ValueError):
-        pass
-    try:
-        with open(os.path.join(root, "cpu", "cpu.cfs_quota_us")) as f:
-            quota = int(f.read())
-        with open(os.path.join(root, "cpu", "cpu.cfs_period_us")) as f:
-            period = int(f.read())
-        return quota / period if quota > 0 and period > 0 else None
-    except (OSError, ValueError):
-        return None
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None, None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":
+            v2 = parts[2]
+        elif "cpu" in parts[1].split(","):
+            v1 = parts[2]
+    return v2, v1
 
 
-def default_threads(root: str = "/sys/fs/cgroup") -> int:
+def _ancestors(root: str, path: str) -> list[str]:
+    """root/path and each folder above it up to root (the tightest quota wins:
+    a child cgroup is throttled by every ancestor's quota as well)."""
+    parts = [p for p in (path or "/").split("/") if p and p not in (".", "..")]
+    return [os.path.join(root, *parts[:i]) for i in range(len(parts), -1, -1)]
+
+
+def _read_quota_v2(d: str) -> float | None:
+    with open(os.path.join(d, "cpu.max")) as f:
+        quota, period = f.read().split()[:2]
+    return None if quota == "max" else max(int(quota) / int(period), 0.0) or None
+
+
+def _read_quota_v1(d: str) -> float | None:
+    with open(os.path.join(d, "cpu.cfs_quota_us")) as f:
+        quota = int(f.read())
+    with open(os.path.join(d, "cpu.cfs_period_us")) as f:
+        period = int(f.read())
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def cgroup_cpu_limit(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> float | None:
+    """The CPU quota of this process's cgroup in CPUs, None when unlimited or
+    unknown: the tightest of its own cgroup's and every ancestor's (v2
+    `cpu.max`; v1 `cpu.cfs_quota_us / cpu.cfs_period_us` under the cpu
+    controller's mount), the cgroup's path read from /proc/self/cgroup. A
+    container limited to 2 CPUs on a 64-core node reports 64 cores
+    everywhere else; threads beyond its quota are throttled. (Reading only
+    the hierarchy's root missed a process in a child cgroup.)"""
+    v2, v1 = _cgroup_paths(proc_cgroup)
+    found: list[float] = []
+    dirs: list[tuple[str, object]] = [(d, _read_quota_v2) for d in _ancestors(root, v2 or "/")]
+    for mount in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
+        dirs += [(d, _read_quota_v1) for d in _ancestors(os.path.join(root, mount), v1 or "/")]
+    for d, read in dirs:
+        try:
+            q = read(d)
+        except (OSError, ValueError, IndexError):
+            continue
+        if q is not None:
+            found.append(q)
+    return min(found) if found else None
+
+
+def default_threads(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> int:
     """Physical cores, capped by the cgroup's CPU quota (rounded up: 1.5 CPUs
     -> 2 threads)."""
     n = physical_cores()
-    quota = cgroup_cpu_limit(root)
+    quota = cgroup_cpu_limit(root, proc_cgroup)
     if quota is not None:
         n = min(n, max(1, math.ceil(quota)))
     return n
