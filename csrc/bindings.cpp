@@ -321,6 +321,51 @@ NB_MODULE(_core, m) {
       .def("alloc_buffer", &lj::Executor::alloc_buffer, "nbytes"_a)
       .def("set_profiling", &lj::Executor::set_profiling, "on"_a,
            "Start (and reset) or stop per-op timing by thread 0.")
+      .def("thread_stats",
+           [](const lj::Executor& e) {
+             const lj::Executor::ThreadStats t = e.thread_stats();
+             nb::dict d;
+             d["chunks"] = t.chunks;
+             d["stolen"] = t.stolen;
+             d["work_cycles"] = t.work_cycles;
+             d["busy_steps"] = t.busy_steps;
+             d["all_busy_steps"] = t.all_busy_steps;
+             d["steps"] = t.steps;
+             d["wall_cycles"] = t.wall_cycles;
+             d["sleeps"] = t.sleeps;
+             const size_t n = e.num_ops(), nth = (size_t)e.config().n_threads;
+             nb::list per;
+             for (size_t i = 0; i < nth && nth > 1; ++i)
+               per.append(std::vector<int32_t>(t.chunks_per_op.begin() + i * n, t.chunks_per_op.begin() + (i + 1) * n));
+             d["chunks_per_op"] = per;
+             return d;
+           },
+           "How the threads shared the work since reset_thread_stats(): per thread the chunks run and "
+           "stolen and the TSC cycles inside kernels; the steps and their wall cycles (thread 0); waits "
+           "that slept; chunks per op per thread in the last step (several threads only).")
+      .def("reset_thread_stats", &lj::Executor::reset_thread_stats)
+      .def_prop_ro("last_step_regions", &lj::Executor::last_step_regions,
+                   "Regions in the last step: the ops, less the kv_write + attention pairs run as one "
+                   "(steps where every sequence's tokens are one attention run: decode)")
+      .def("idle_counters", [](const lj::Executor& e) { auto p = e.idle_counters(); return nb::make_tuple(p.first, p.second); },
+           "(cycles all threads spent in kernels, steps' wall cycles x threads) since the last reset; safe "
+           "to call while a step runs (no wait for late workers).")
+      .def("op_kinds",
+           [](const lj::Executor& e) {
+             nb::list out;
+             for (size_t k = 0; k < e.num_ops(); ++k) out.append((lj::OpKind)e.op_kind(k));
+             return out;
+           },
+           "The Program's op kinds, in order.")
+      .def("set_test_stall",
+           [](lj::Executor& e, int ith, uint32_t kinds_mask, bool every) {
+             if (ith < -1 || ith >= e.config().n_threads) throw std::invalid_argument("set_test_stall: no such thread");
+             if (ith == 0) throw std::invalid_argument("set_test_stall: thread 0 starts the step; stall a worker");
+             e.set_test_stall(ith, kinds_mask, every);
+           },
+           "ith"_a, "kinds_mask"_a, "every"_a = false,
+           "Test hook: worker ith sits out the first op (every: each op) of each kind in kinds_mask "
+           "(bit = OpKind) of every step, claiming nothing, until the others have done it. ith = -1: off.")
       .def("profile",
            [](const lj::Executor& e) {
              nb::list out;  // (op index, kind, total ns) over the profiled steps

@@ -223,12 +223,34 @@ struct StepCtx {
   const int32_t* seq_of_token;  // [n_tokens] index into block_tables
   const int32_t* block_tables;  // [n_seqs, max_blocks]
   const int32_t* out_rows;      // [n_out] token rows whose logits are computed
-  float* scratch;               // [n_threads, scratch_floats] per-thread scratch
+  float* scratch;               // the calling thread's scratch (scratch_floats floats)
   int64_t scratch_floats;
+  // 1 when this call is the calling thread's first chunk of the op in this
+  // step: a kernel whose every call needs the same per-thread input stage
+  // (a matmul's quantized input rows in scratch) runs it then, and later
+  // chunks of the op on the same thread reuse it.
+  int32_t first;
 };
 
-// One kernel: computes this thread's share [ith of nth] of the op whose
-// params struct `params` points to (the kernel's own type; kernels/ops.h).
+// The attention kernel's work items, (run, kv head): a run is up to ATT_QB
+// consecutive tokens of one sequence (a decode token is a run of one).
+// Tokens [t0, t1) of the step are the run starting at t0; *cost = the
+// (token, key) pairs its rows score. (Here, not in attention.inc: the
+// executor counts items to cut a step's attention into chunks.)
+constexpr int64_t ATT_QB = 16;  // tokens per work item
+inline int64_t att_next_run(const StepCtx& c, int64_t t0, int64_t* cost) {
+  int64_t t1 = t0 + 1, k = (int64_t)c.positions[t0] + 1;
+  while (t1 < c.n_tokens && t1 - t0 < ATT_QB && c.seq_of_token[t1] == c.seq_of_token[t0]) k += c.positions[t1++] + 1;
+  *cost = k;
+  return t1;
+}
+
+// One kernel: computes chunk ith of nth of the op whose params struct
+// `params` points to (the kernel's own type; kernels/ops.h). The executor
+// cuts each op into a number of chunks that does not depend on the thread
+// count and threads claim them (executor.cpp); every kernel's output rows are
+// the same bits whatever the chunking, so a chunk is computed the same way
+// by whichever thread claims it.
 using KernelFn = void (*)(const void* params, const StepCtx& ctx, int ith, int nth);
 
 // Offline weight (de)quantization of packed formats, tiles [tile_b, tile_e)

@@ -50,7 +50,8 @@ ADAPTER_VALUES = OVERLAYS["hpa"] / "prometheus-adapter-values.yaml"
 
 # What `llamajet serve` exports (the server's contract; PromQL may use nothing else
 # under the llamajet: prefix). Histograms appear only as _bucket / _sum / _count.
-GAUGES = {"llamajet:num_requests_running", "llamajet:num_requests_waiting", "llamajet:kv_cache_usage_perc"}
+GAUGES = {"llamajet:num_requests_running", "llamajet:num_requests_waiting", "llamajet:kv_cache_usage_perc",
+          "llamajet:thread_idle_fraction"}
 COUNTERS = {
     "llamajet:prefix_cache_queries_total", "llamajet:prefix_cache_hits_total",
     "llamajet:prompt_tokens_total", "llamajet:generation_tokens_total",

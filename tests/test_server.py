@@ -454,8 +454,10 @@ def test_metrics_cover_what_deploy_uses(smol):
                  "llamajet:request_success_total", "llamajet:num_preemptions_total",
                  "llamajet:time_to_first_token_seconds_bucket", "llamajet:inter_token_latency_seconds_bucket",
                  "llamajet:e2e_request_latency_seconds_bucket", "llamajet:request_queue_time_seconds_bucket",
-                 "llamajet:http_requests_total"):
+                 "llamajet:http_requests_total", "llamajet:thread_idle_fraction"):
         assert name in exposed, name
+    # the steps of that request: the share of thread time spent waiting, a fraction
+    assert 0.0 <= srv_metric_labelled(text, "llamajet:thread_idle_fraction", "") <= 1.0
     used = set()
     for f in (ROOT / "deploy").rglob("*"):
         if f.is_file() and f.suffix in (".yaml", ".yml", ".json"):

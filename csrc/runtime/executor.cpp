@@ -1,6 +1,8 @@
 // executor.cpp — see executor.h.
 #include "executor.h"
 
+#include <x86intrin.h>
+
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -11,9 +13,102 @@
 
 namespace lj {
 
-// Bytes of the next matmul's weights each waiting thread prefetches at a
-// barrier (L2 is 1-2 MiB per core on the CPUs this targets).
-constexpr int64_t kBarrierPrefetch = 64 * 1024;
+// Bytes of the next matmul's weights a thread prefetches while it waits for
+// an op's last chunks (L2 is 1-2 MiB per core on the CPUs this targets).
+constexpr int64_t kWaitPrefetch = 64 * 1024;
+
+// ---------------------------------------------------------------- claimed chunks
+// How a step's work is shared (issue 40). Each op is cut into U chunks, U
+// from the op's own work items and fixed sizes (op_chunks: never from the
+// thread count), and kernel(params, ctx, u, U) computes chunk u. Thread t
+// owns chunks split(U, t, nth): it claims them from the front; a thread with
+// none left takes the others' from their back ends. So on a quiet machine
+// each thread runs its own share, in order, as before (its cache holds what
+// it wrote in the op before), and a thread the OS has taken off its core
+// claims nothing: the others run its chunks, and the op ends when all U are
+// done, not when every thread has passed a barrier.
+//
+// Words (all CAS, so a late thread can never take a chunk of a newer step):
+//   own[t][k]  = gen:24 | begin:20 | end:20, thread t's unclaimed chunks of op
+//                k; set to t's share by the first thread to touch it in a
+//                step (its generation older than the step's).
+//   done[k]    = gen:32 | complete:1 | count:31, chunks of op k finished.
+// A thread adds its count once it finds nothing more to claim; the one that
+// makes it U sets `complete` and bumps progress_ (the futex word waiters
+// sleep on). Thread 0 returns from run() when the last op is complete;
+// workers may still be inside the job (a late one, just woken), but all they
+// can do is look at words: a claim counts only if op_live() holds after it
+// (the op of that step not yet complete), and then the step cannot end
+// before the chunk is done, so what the late thread read (ctx_, chunks_) was
+// that step's. Chunks are never run twice (no backup copies): an epilogue
+// that adds into its output in place, or a late write into an arena the next
+// op already reuses, would not survive a duplicate. A chunk held by a thread
+// descheduled mid-chunk therefore still holds its op: counted as sleeps.
+namespace {
+constexpr uint32_t kGenMask = (1u << 24) - 1;
+constexpr uint64_t kPosMask = (1u << 20) - 1;
+constexpr uint64_t kComplete = 1ull << 31;
+inline uint64_t pack_own(uint32_t g, int64_t b, int64_t e) {
+  return (uint64_t)(g & kGenMask) << 40 | (uint64_t)b << 20 | (uint64_t)e;
+}
+// a newer than b, 24-bit generations (a late thread is never 2^23 steps behind)
+inline bool newer24(uint32_t a, uint32_t b) { return a != b && ((a - b) & kGenMask) < (1u << 23); }
+inline bool newer32(uint32_t a, uint32_t b) { return (int32_t)(a - b) > 0; }
+
+// n items in about n / min_per chunks, at most cap, all non-empty under split().
+int64_t even_chunks(int64_t items, int64_t min_per, int64_t cap) {
+  if (items <= 1) return 1;
+  int64_t u = (items + min_per - 1) / min_per;
+  u = u < 1 ? 1 : u > cap ? cap : u;
+  const int64_t per = (items + u - 1) / u;
+  return (items + per - 1) / per;
+}
+int64_t rows_of(int64_t rows, const StepCtx& c) {
+  return rows == ROWS_TOKENS ? c.n_tokens : rows == ROWS_OUT ? c.n_out : rows;
+}
+}  // namespace
+
+// Chunks of op s this step: its kernel's own work items (what it splits),
+// at least min_per each. Sizes: a matmul chunk is >= 4 weight tiles of 16
+// rows (the kernels prefetch a tile ahead within a chunk) and at most 32 per
+// op; attention / kv_write one (run, kv head) item; a row op >= 4 rows; a
+// flat op >= 4096 floats. A decode step's row ops are then one chunk (one
+// thread: splitting 2 KiB of work costs more in claims than it saves).
+static int64_t op_chunks(int kind, const void* params, const StepCtx& c) {
+  switch (kind) {
+    case OP_MATMUL: {
+      const MatmulOp& p = *(const MatmulOp*)params;
+      return even_chunks((p.w.rows + TILE - 1) / TILE, 4, 32);
+    }
+    case OP_KV_WRITE:
+    case OP_ATTENTION: {
+      const int64_t kvh = kind == OP_KV_WRITE ? ((const KvWriteOp*)params)->kv_heads : ((const AttentionOp*)params)->kv_heads;
+      int64_t runs = 0, cost;
+      for (int64_t t0 = 0; t0 < c.n_tokens; ++runs) t0 = att_next_run(c, t0, &cost);
+      return even_chunks(runs * kvh, 1, 32);
+    }
+    case OP_EMBED:
+    case OP_ROPE: return even_chunks(c.n_tokens, 4, 16);
+    case OP_RMSNORM: return even_chunks(rows_of(((const RmsNormOp*)params)->x.rows, c), 4, 16);
+    case OP_ADD_RMSNORM: return even_chunks(rows_of(((const AddRmsNormOp*)params)->x.rows, c), 4, 16);
+    case OP_GATHER: return even_chunks(c.n_out, 4, 16);
+    case OP_ARGMAX: return even_chunks(rows_of(((const ArgmaxOp*)params)->x.rows, c), 1, 16);
+    case OP_SWIGLU: {
+      const SwigluOp& p = *(const SwigluOp*)params;
+      return even_chunks(rows_of(p.gate.rows, c) * p.gate.cols, 4096, 16);
+    }
+    case OP_ADD: {
+      const AddOp& p = *(const AddOp*)params;
+      return even_chunks(rows_of(p.a.rows, c) * p.a.cols, 4096, 16);
+    }
+    case OP_QUANTIZE: {
+      const QuantizeOp& p = *(const QuantizeOp*)params;
+      const int64_t G = p.out.group, ng = (p.x.cols + G - 1) / G, S = qact_span(p.out.dtype, G) / G;
+      return even_chunks((ng + S - 1) / S, 8, 16);
+    }
+    default: return 1;
+  }
+}
 
 const KernelTable* kernel_table(const std::string& isa) {
   bool ok = false;
@@ -32,6 +127,8 @@ const KernelTable* kernel_table(const std::string& isa) {
 // misaligned, which UBSan reported (make sanitize).
 static int64_t scratch_stride(int64_t floats) { return (floats + 16 + 15) / 16 * 16; }
 
+Executor::~Executor() { pool_->quiesce(); }  // late workers read slots_, own_, ...
+
 Executor::Executor(const ExecConfig& cfg) : cfg_(cfg), table_(kernel_table(cfg.isa)) {
   if (cfg_.n_threads < 1 || cfg_.max_tokens < 1 || cfg_.max_out < 0 ||
       cfg_.max_out > cfg_.max_tokens || cfg_.max_seqs < 1 || cfg_.max_blocks < 1 ||
@@ -49,6 +146,25 @@ Executor::Executor(const ExecConfig& cfg) : cfg_(cfg), table_(kernel_table(cfg.i
   ctx_.scratch = scratch_.data();
   ctx_.scratch_floats = scratch_stride(cfg_.scratch_floats);
   ctx_.block_size = cfg_.block_size;
+  ctx_.first = 1;
+  per_thread_ = std::vector<PerThread>(cfg_.n_threads);
+  size_claims();
+}
+
+// The claim words for the Program as it is (pool quiesced). Words start at
+// the last step's generation, complete: the next step's is newer.
+void Executor::size_claims() {
+  const size_t n = slots_.size(), nth = cfg_.n_threads;
+  const uint32_t g = step_gen_.load(std::memory_order_relaxed);
+  chunks_.reset(new std::atomic<int32_t>[n + 1]());
+  own_stride_ = (n + 7) / 8 + 1;
+  own_ = std::vector<Line>(nth * own_stride_);
+  done_ = std::vector<Line>(own_stride_);
+  for (auto& l : own_)
+    for (auto& w : l.w) w.store(pack_own(g, 0, 0), std::memory_order_relaxed);
+  for (auto& l : done_)
+    for (auto& w : l.w) w.store((uint64_t)g << 32 | kComplete, std::memory_order_relaxed);
+  chunks_per_op_.assign(nth * n, 0);
 }
 
 int Executor::alloc_buffer(int64_t nbytes) {
@@ -107,9 +223,16 @@ void Executor::resolve(Ref& r, const char* op, const char* name) const {
   }
 }
 
+// Bytes an operand spans at the largest step.
+int64_t Executor::ref_bytes(const Ref& r) const {
+  const int64_t rows = r.rows == ROWS_TOKENS ? cfg_.max_tokens : r.rows == ROWS_OUT ? cfg_.max_out : r.rows;
+  return tensor_bytes(r.dtype, rows, r.cols, r.group);
+}
+
 template <class P>
 void Executor::add(P p) {
   using T = OpTraits<P>;
+  pool_->quiesce();
   T::fields(p, [&](const char* name, auto& field, const char*) {
     if constexpr (std::is_same_v<std::decay_t<decltype(field)>, Ref>) resolve(field, T::name, name);
   });
@@ -136,7 +259,25 @@ void Executor::add(P p) {
       s.qtiles = m.epilogue == EPI_QKV ? m.out.cols / TILE : 0;  // as the kernel's tile_ranges
     }
   }
+  if constexpr (std::is_same_v<P, AttentionOp>) {
+    const AttentionOp& a = std::get<P>(params_.back());
+    if (!slots_.empty() && slots_.back().kind == OP_KV_WRITE) {
+      const KvWriteOp& w = *(const KvWriteOp*)slots_.back().params;
+      // As one region, attention chunk u writes while another chunk's
+      // kv_write may still read k / v: only where their memory is apart (the
+      // planner keeps it so: graph/planner.py liveness).
+      const auto apart = [&](const Ref& x, const Ref& y) {
+        if (!present(x) || !present(y)) return true;
+        const char *xb = (const char*)x.data, *yb = (const char*)y.data;
+        return xb + ref_bytes(x) <= yb || yb + ref_bytes(y) <= xb;
+      };
+      if (w.k_pool.data == a.k_pool.data && w.v_pool.data == a.v_pool.data && w.kv_heads == a.kv_heads &&
+          apart(a.out, w.k) && apart(a.out, w.v) && apart(a.qout, w.k) && apart(a.qout, w.v))
+        slots_.back().pairs_next = true, ++pairs_;
+    }
+  }
   slots_.push_back(s);
+  size_claims();
 }
 
 #define LJ_OP_ADD(KIND, name, P, FIELDS, kernel) template void Executor::add<P>(P);
@@ -182,44 +323,241 @@ void Executor::run(int n_tokens, const int32_t* tokens, const int32_t* positions
   ctx_.seq_of_token = seq_of_token_.data();
   ctx_.block_tables = block_tables_.data();
   ctx_.out_rows = out_rows_.data();
-  pool_->run(&Executor::job, this);
+  // One attention run per sequence (decode): kv_write + attention pairs are one region.
+  int64_t runs = 0, cost;
+  for (int64_t t0 = 0; t0 < ctx_.n_tokens; ++runs) t0 = att_next_run(ctx_, t0, &cost);
+  const bool pairs = runs == n_seqs && pairs_ > 0 && cfg_.n_threads > 1;
+  last_regions_ = (int64_t)slots_.size() - (pairs ? pairs_ : 0);
+  if (cfg_.n_threads > 1) {
+    pairs_live_.store(pairs, std::memory_order_relaxed);
+    for (size_t k = 0; k < slots_.size(); ++k)
+      chunks_[k].store((int32_t)op_chunks(slots_[k].kind, slots_[k].params, ctx_), std::memory_order_relaxed);
+    step_gen_.fetch_add(1, std::memory_order_release);  // launch() publishes it (and ctx_, chunks_) again
+  }
+  const uint64_t w0 = __rdtsc();
+  pool_->launch(&Executor::job, this);
+  PerThread::add(wall_cycles_, (int64_t)(__rdtsc() - w0));
+  PerThread::add(stat_steps_, 1);
 }
 
 void Executor::job(void* self, int ith, int nth) {
   Executor* e = (Executor*)self;
   const CountStepAllocations counting;  // this thread's operator new calls, until the step ends
+  if (nth > 1) return e->job_chunked(ith, nth);
+  // One thread: every op whole, in order (nothing to claim from anyone).
   const size_t n = e->slots_.size();
-  const bool prof = e->profiling_ && ith == 0;
   auto t0 = std::chrono::steady_clock::now();
+  const uint64_t w0 = __rdtsc();
   for (size_t k = 0; k < n; ++k) {
     const Slot& op = e->slots_[k];
-    // The next op's params into cache while this one runs: the weights
-    // streaming through every step evict them, and a kernel's first reads
-    // of its struct (a matmul's ~750 bytes) would otherwise wait on memory.
     if (k + 1 < n)
       for (int off = 0; off < e->slots_[k + 1].bytes; off += 64)
         __builtin_prefetch((const char*)e->slots_[k + 1].params + off, 0, 3);
-    op.fn(op.params, e->ctx_, ith, nth);
-    if (k + 1 < n || e->profiling_) {  // all threads see profiling_
-      // A waiter prefetches the start of its share of the next op's weights
-      // (up to kBarrierPrefetch): the memory stays busy while the slowest
-      // thread finishes, and the next op starts on lines already in L2.
-      const Slot* nx = k + 1 < n ? &e->slots_[k + 1] : nullptr;
-      if (nx && nx->stream) {
-        const Range r = split(nx->qtiles ? nx->qtiles : nx->tiles, ith, nth);
-        const int64_t bytes = (r.e - r.b) * nx->tile_bytes;
-        e->pool_->barrier(nx->stream + r.b * nx->tile_bytes, bytes < kBarrierPrefetch ? bytes : kBarrierPrefetch);
-      } else {
-        e->pool_->barrier();
-      }
-    }
-    if (prof) {
+    op.fn(op.params, e->ctx_, 0, 1);
+    if (e->profiling_) {
       const auto t1 = std::chrono::steady_clock::now();
       e->op_ns_[k] += std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
       t0 = t1;
     }
   }
-  if (prof) ++e->steps_;
+  PerThread::add(e->per_thread_[0].work, (int64_t)(__rdtsc() - w0));
+  PerThread::add(e->per_thread_[0].chunks, (int64_t)n);
+  if (e->profiling_) ++e->steps_;
+}
+
+void Executor::job_chunked(int ith, int nth) {
+  const uint32_t g = step_gen_.load(std::memory_order_acquire);
+  const int regime = note_preemptions(ith, nth);
+  // A late thread's copy may be torn (the next step rewriting ctx_): it is
+  // used only after a claim that op_live() proves was of a live step.
+  StepCtx c = ctx_;
+  c.scratch = ctx_.scratch + (int64_t)ith * ctx_.scratch_floats;
+  const size_t n = slots_.size();
+  const bool prof = profiling_ && ith == 0;
+  PerThread& me = per_thread_[ith];
+  PerThread::add(me.busy_steps, regime >= 1);
+  PerThread::add(me.all_busy_steps, regime == 2);
+  int32_t* counts = chunks_per_op_.data() + (size_t)ith * n;
+  uint32_t stalled = 0;  // op kinds this thread has sat out (test hook)
+  auto t0 = std::chrono::steady_clock::now();
+  const bool pairs = pairs_live_.load(std::memory_order_relaxed);  // (validated with each claim, as chunks_)
+  for (size_t k = 0; k < n; ++k) {
+    const Slot& op = slots_[k];
+    // The region: op k, or op k and k + 1 (Slot::pairs_next); its last op's
+    // done word ends it (and proves claims live).
+    const size_t last = op.pairs_next && pairs && k + 1 < n ? k + 1 : k;
+    // The next op's params into cache while this one runs: the weights
+    // streaming through every step evict them, and a kernel's first reads
+    // of its struct (a matmul's ~750 bytes) would otherwise wait on memory.
+    for (size_t j = k + 1; j <= last + 1 && j < n; ++j)
+      for (int off = 0; off < slots_[j].bytes; off += 64) __builtin_prefetch((const char*)slots_[j].params + off, 0, 3);
+    for (size_t j = k; j <= last; ++j) counts[j] = 0;
+    if (ith == stall_thread_ && (stall_kinds_ >> op.kind & 1) && (stall_every_ || !(stalled >> op.kind & 1))) {
+      stalled |= 1u << op.kind;
+      if (!wait_op(last, g, -1, nth)) return;
+      k = last;
+      continue;
+    }
+    const int U = chunks_[k].load(std::memory_order_relaxed);
+    int64_t mine = 0;
+    c.first = 1;
+    for (;;) {
+      bool stolen = false;
+      const int64_t u = claim(k, last, ith, nth, g, &stolen);
+      if (u == -2) return;  // a late thread: that step is over
+      if (u < 0) break;
+      const uint64_t w0 = __rdtsc();
+      for (size_t j = k; j <= last; ++j) slots_[j].fn(slots_[j].params, c, (int)u, U);
+      PerThread::add(me.work, (int64_t)(__rdtsc() - w0));
+      PerThread::add(me.stolen, stolen);
+      c.first = 0;
+      ++mine;
+    }
+    for (size_t j = k; j <= last; ++j) counts[j] = (int32_t)mine;
+    PerThread::add(me.chunks, mine);
+    if (!(mine && report(last, g, mine)) && !wait_op(last, g, ith, nth)) return;
+    if (prof) {
+      const auto t1 = std::chrono::steady_clock::now();
+      op_ns_[last] += std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
+      t0 = t1;
+    }
+    k = last;
+  }
+  if (prof) ++steps_;
+}
+
+// A chunk of op k for thread ith: its own first (front), then the other
+// threads' (back). -1: none left; -2: step g is over (a late thread), which
+// op `last`'s done word (the region's end) tells after each claim.
+int64_t Executor::claim(size_t k, size_t last, int ith, int nth, uint32_t g, bool* stolen) {
+  const int64_t U = chunks_[k].load(std::memory_order_relaxed);
+  const uint32_t g24 = g & kGenMask;
+  for (int i = 0; i < nth; ++i) {
+    const int s = (ith + i) % nth;
+    std::atomic<uint64_t>& a = own_[(size_t)s * own_stride_ + k / 8].w[k % 8];
+    uint64_t w = a.load(std::memory_order_acquire);
+    for (;;) {
+      const uint32_t wg = (uint32_t)(w >> 40);
+      if (wg != g24) {
+        if (newer24(wg, g24)) return -2;
+        const Range r = split(U, s, nth);  // first touch this step: thread s's share
+        const uint64_t nw = pack_own(g24, r.b, r.e);
+        if (a.compare_exchange_weak(w, nw, std::memory_order_acq_rel, std::memory_order_acquire)) w = nw;
+        continue;
+      }
+      const int64_t b = (int64_t)((w >> 20) & kPosMask), e = (int64_t)(w & kPosMask);
+      if (b >= e) break;
+      const uint64_t nw = i == 0 ? pack_own(g24, b + 1, e) : pack_own(g24, b, e - 1);
+      if (a.compare_exchange_weak(w, nw, std::memory_order_acq_rel, std::memory_order_acquire)) {
+        if (!op_live(last, g)) return -2;
+        *stolen = i != 0;
+        return i == 0 ? b : e - 1;
+      }
+    }
+  }
+  return -1;
+}
+
+// Op k of step g not complete yet (so step g is not over).
+bool Executor::op_live(size_t k, uint32_t g) const {
+  const uint64_t d = done_[k / 8].w[k % 8].load(std::memory_order_acquire);
+  const uint32_t dg = (uint32_t)(d >> 32);
+  if (dg == g) return !(d & kComplete);
+  return !newer32(dg, g);  // older: no chunk of it finished in step g yet
+}
+
+// Adds n finished chunks of op k; true when that completed the op.
+bool Executor::report(size_t k, uint32_t g, int64_t n) {
+  std::atomic<uint64_t>& a = done_[k / 8].w[k % 8];
+  const int64_t U = chunks_[k].load(std::memory_order_relaxed);
+  uint64_t d = a.load(std::memory_order_relaxed);
+  for (;;) {
+    const int64_t cnt = ((uint32_t)(d >> 32) == g ? (int64_t)(d & 0x7fffffff) : 0) + n;
+    const uint64_t nd = (uint64_t)g << 32 | (cnt >= U ? kComplete : 0) | (uint64_t)cnt;
+    if (a.compare_exchange_weak(d, nd, std::memory_order_acq_rel, std::memory_order_relaxed)) {
+      if (cnt < U) return false;
+      progress_.fetch_add(1, std::memory_order_seq_cst);
+      if (sleepers_.load(std::memory_order_seq_cst) > 0) progress_.notify_all();
+      return true;
+    }
+  }
+}
+
+// Waits until op k of step g is complete: true, or false when step g is
+// over (a late thread). Meanwhile thread ith (>= 0) prefetches the start of
+// its own chunks of the next op's weights into L2, in 1 KiB steps between
+// looks: the memory stays busy while the last chunks finish, and the next
+// op starts on lines already in L2. Then spins, then sleeps on progress_.
+// NOTE: progress_ is read before the done word, so a completion between the
+// look and the sleep changes progress_ and wait() returns (no lost wake-up).
+bool Executor::wait_op(size_t k, uint32_t g, int ith, int nth) {
+  const std::atomic<uint64_t>& a = done_[k / 8].w[k % 8];
+  const auto status = [&] {  // 1 complete, -1 over, 0 running
+    const uint64_t d = a.load(std::memory_order_acquire);
+    const uint32_t dg = (uint32_t)(d >> 32);
+    return dg == g ? ((d & kComplete) ? 1 : 0) : newer32(dg, g) ? -1 : 0;
+  };
+  int st = status();
+  if (st) return st > 0;
+  if (ith >= 0 && k + 1 < slots_.size() && slots_[k + 1].stream) {
+    const Slot& nx = slots_[k + 1];
+    const int64_t U1 = chunks_[k + 1].load(std::memory_order_relaxed);
+    const Range ur = split(U1, ith, nth);
+    if (ur.b < ur.e) {
+      const int64_t tiles = nx.qtiles ? nx.qtiles : nx.tiles;
+      const int64_t tb = split(tiles, (int)ur.b, (int)U1).b, te = split(tiles, (int)ur.e - 1, (int)U1).e;
+      const int64_t bytes = (te - tb) * nx.tile_bytes < kWaitPrefetch ? (te - tb) * nx.tile_bytes : kWaitPrefetch;
+      const char* p = (const char*)nx.stream + tb * nx.tile_bytes;
+      for (int64_t off = 0; off < bytes && !(st = status());)
+        for (const int64_t end = off + 1024 < bytes ? off + 1024 : bytes; off < end; off += 64)
+          __builtin_prefetch(p + off, 0, 2);
+      if (st) return st > 0;
+    }
+  }
+  Spinner sp(spin_ns_in_job());
+  for (;;) {
+    const uint32_t p = progress_.load(std::memory_order_seq_cst);
+    if ((st = status())) return st > 0;
+    if (!sp.spin()) {
+      sleepers_.fetch_add(1, std::memory_order_seq_cst);
+      progress_.wait(p, std::memory_order_seq_cst);
+      sleepers_.fetch_sub(1, std::memory_order_seq_cst);
+      sleeps_.fetch_add(1, std::memory_order_relaxed);
+      sp.restart();
+    }
+  }
+}
+
+Executor::ThreadStats Executor::thread_stats() const {
+  pool_->quiesce();
+  ThreadStats s;
+  for (const PerThread& t : per_thread_) {
+    s.chunks.push_back(t.chunks.load(std::memory_order_relaxed));
+    s.stolen.push_back(t.stolen.load(std::memory_order_relaxed));
+    s.work_cycles.push_back(t.work.load(std::memory_order_relaxed));
+    s.busy_steps.push_back(t.busy_steps.load(std::memory_order_relaxed));
+    s.all_busy_steps.push_back(t.all_busy_steps.load(std::memory_order_relaxed));
+  }
+  s.steps = stat_steps_.load(std::memory_order_relaxed);
+  s.wall_cycles = wall_cycles_.load(std::memory_order_relaxed);
+  s.sleeps = sleeps_.load(std::memory_order_relaxed);
+  s.chunks_per_op = chunks_per_op_;
+  return s;
+}
+
+std::pair<int64_t, int64_t> Executor::idle_counters() const {
+  int64_t work = 0;
+  for (const PerThread& t : per_thread_) work += t.work.load(std::memory_order_relaxed);
+  return {work, wall_cycles_.load(std::memory_order_relaxed) * cfg_.n_threads};
+}
+
+void Executor::reset_thread_stats() {
+  pool_->quiesce();
+  for (PerThread& t : per_thread_)
+    for (auto* a : {&t.chunks, &t.stolen, &t.work, &t.busy_steps, &t.all_busy_steps}) a->store(0, std::memory_order_relaxed);
+  wall_cycles_.store(0, std::memory_order_relaxed);
+  stat_steps_.store(0, std::memory_order_relaxed);
+  sleeps_.store(0, std::memory_order_relaxed);
 }
 
 }  // namespace lj

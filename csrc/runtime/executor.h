@@ -5,10 +5,12 @@
 // buffer (the activation arena, the KV pool) and an offset, or a weight array
 // Python keeps alive. A step only copies the step inputs (token ids,
 // positions, KV slots, block tables) into pre-sized arrays and runs every op
-// on the thread pool, a barrier between ops. Nothing is allocated inside a
+// on the thread pool, each op cut into chunks the threads claim (executor.cpp),
+// the next op once the last chunk is done. Nothing is allocated inside a
 // step (counted: step_allocations).
 #pragma once
 #include <cstdint>
+#include <atomic>
 #include <deque>
 #include <memory>
 #include <string>
@@ -47,11 +49,50 @@ class Executor {
   size_t num_ops() const { return slots_.size(); }
   int op_kind(size_t k) const { return slots_.at(k).kind; }
 
-  // Per-op wall time, measured by thread 0 from an op's start to the barrier
-  // after it (so it includes waiting for the slowest thread). Off by default.
-  void set_profiling(bool on) { profiling_ = on; op_ns_.assign(slots_.size(), 0); steps_ = 0; }
+  ~Executor();
+
+  // Per-op wall time, measured by thread 0 from an op's start to its end
+  // (its last chunk done, by whichever thread). Off by default.
+  void set_profiling(bool on) {
+    pool_->quiesce();
+    profiling_ = on, op_ns_.assign(slots_.size(), 0), steps_ = 0;
+  }
   const std::vector<int64_t>& op_ns() const { return op_ns_; }
   int64_t profiled_steps() const { return steps_; }
+  // Regions (stretches of work that end where threads wait for the last
+  // chunk) in the last step: the ops, less the kv_write + attention pairs
+  // run as one.
+  int64_t last_step_regions() const { return last_regions_; }
+
+  // How the threads shared the work, since the last reset_thread_stats():
+  // per thread the chunks it ran and stole and the TSC cycles inside kernels,
+  // and the steps' wall cycles (thread 0, start to end). idle = 1 - work /
+  // (threads x wall): the share of the threads' time in a step spent waiting
+  // (on a quiet machine, imbalance; on a busy one, threads the OS took away).
+  struct ThreadStats {
+    std::vector<int64_t> chunks, stolen, work_cycles;
+    // steps this thread began busy (taken off its core against its will
+    // lately: it spins less), and with every thread busy (threadpool.h)
+    std::vector<int64_t> busy_steps, all_busy_steps;
+    int64_t steps = 0, wall_cycles = 0;
+    int64_t sleeps = 0;  // waits for an op's end that went to sleep (a chunk held past the spin budget)
+    std::vector<int32_t> chunks_per_op;  // [thread][op] in the last step
+  };
+  ThreadStats thread_stats() const;
+  void reset_thread_stats();
+  // (cycles all threads spent in kernels, steps' wall cycles x threads) since
+  // the last reset: without waiting for a late worker, so another thread may
+  // call it while steps run (the server's /metrics).
+  std::pair<int64_t, int64_t> idle_counters() const;
+
+  // Test hook: thread `ith` waits, without claiming, until the first op (or,
+  // with every, each op) of each kind in `kinds_mask` (bit = OpKind) has been
+  // done by the others, in every step: a thread the OS took off its core at
+  // that moment. -1: off.
+  void set_test_stall(int ith, uint32_t kinds_mask, bool every) {
+    pool_->quiesce();
+    stall_thread_ = ith, stall_kinds_ = kinds_mask, stall_every_ = every;
+  }
 
   // Runs the Program for one step. Inputs are validated (lengths, ranges)
   // before any kernel runs; throws std::invalid_argument on bad input.
@@ -61,7 +102,14 @@ class Executor {
 
  private:
   static void job(void* self, int ith, int nth);
+  void job_chunked(int ith, int nth);
   void resolve(Ref& r, const char* op, const char* name) const;
+  int64_t ref_bytes(const Ref& r) const;
+  void size_claims();
+  int64_t claim(size_t k, size_t last, int ith, int nth, uint32_t g, bool* stolen);
+  bool op_live(size_t k, uint32_t g) const;
+  bool report(size_t k, uint32_t g, int64_t n);
+  bool wait_op(size_t k, uint32_t g, int ith, int nth);
 
   ExecConfig cfg_;
   const KernelTable* table_;
@@ -80,9 +128,14 @@ class Executor {
     int bytes;  // sizeof the params struct (prefetched while the op before runs)
     // A packed matmul's weights (tiles of tile_bytes; the QKV epilogue splits
     // its first qtiles apart): where each thread's share starts, prefetched
-    // by the threads that wait at the barrier before the op.
+    // by threads waiting for the op before it to end.
     const uint8_t* stream = nullptr;
     int64_t tile_bytes = 0, tiles = 0, qtiles = 0;
+    // kv_write whose attention is the next op (same pools): in a step where
+    // every sequence's tokens are one attention run (decode), chunk u of
+    // both is one piece of work (the same (run, kv head) items), so the two
+    // ops are one region: no thread waits between them.
+    bool pairs_next = false;
   };
   std::deque<AnyOp> params_;
   std::vector<Slot> slots_;
@@ -95,6 +148,34 @@ class Executor {
   std::vector<int64_t> op_ns_;
   int64_t steps_ = 0;
   StepCtx ctx_{};
+
+  // Claimed chunks (executor.cpp says how). Sized in add(), with the pool
+  // quiesced; a late worker may read any of these at any time.
+  struct alignas(64) Line {
+    std::atomic<uint64_t> w[8];
+  };
+  std::atomic<uint32_t> step_gen_{0};        // the step running (or last run)
+  std::atomic<bool> pairs_live_{false};      // this step runs the pairs_next ops as one region
+  int64_t pairs_ = 0, last_regions_ = 0;
+  std::unique_ptr<std::atomic<int32_t>[]> chunks_;  // [op] chunks this step, set before launch
+  std::vector<Line> own_;                    // [thread][op]: (gen | begin | end) of its unclaimed chunks
+  std::vector<Line> done_;                   // [op]: (gen | complete | chunks done)
+  size_t own_stride_ = 0;                    // lines per thread in own_
+  alignas(64) std::atomic<uint32_t> progress_{0};  // bumped when an op completes (futex word)
+  std::atomic<int> sleepers_{0};
+  // Written by its thread only; atomics (relaxed: plain loads and stores on
+  // x86) so idle_counters() may read them while a step runs.
+  struct alignas(64) PerThread {
+    std::atomic<int64_t> chunks{0}, stolen{0}, work{0}, busy_steps{0}, all_busy_steps{0};
+    static void add(std::atomic<int64_t>& a, int64_t d) { a.store(a.load(std::memory_order_relaxed) + d, std::memory_order_relaxed); }
+  };
+  std::vector<PerThread> per_thread_;
+  std::vector<int32_t> chunks_per_op_;        // [thread][op]
+  std::atomic<int64_t> sleeps_{0};
+  std::atomic<int64_t> wall_cycles_{0}, stat_steps_{0};
+  int stall_thread_ = -1;
+  uint32_t stall_kinds_ = 0;
+  bool stall_every_ = false;
 };
 
 const KernelTable* kernel_table(const std::string& isa);

@@ -4,54 +4,142 @@
 #include <immintrin.h>
 
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
+
+#include <sched.h>
+#include <sys/resource.h>
 
 namespace lj {
-namespace {
-// How long a waiter spins (pause) before it sleeps on a futex, in time: a
-// pause takes ~140 cycles on some x86 cores and ~10 ns on this project's
-// machine, so the budgets counted in pauses they replace (20000 between jobs,
-// 2000 inside) came out at ~200 us / ~20 us there, and the worker slept
-// through the ~0.8 ms of Python between two 16-sequence decode steps, to be
-// woken by a futex at every step (6 alternating runs: median step 13.88 ->
-// 13.61 ms; noisy). Between jobs: long enough to span that Python work.
-// Inside a job (barriers, the end-of-job wait): far longer than any op's
-// imbalance on an idle machine, short enough that a thread waiting on a
-// descheduled one gives its core away.
-constexpr int64_t kSpinNsBetweenJobs = 3'000'000;
-constexpr int64_t kSpinNsInJob = 300'000;
 
-inline int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+const SpinBudgets& spin_budgets() {
+  static const SpinBudgets b = [] {
+    SpinBudgets d{3'000'000, 50'000, 300'000, 20'000, 1'000'000, 50'000};
+    if (const char* e = std::getenv("LLAMAJET_SPIN_US")) {
+      long long v[6] = {-1, -1, -1, -1, -1, -1};
+      const int n = std::sscanf(e, "%lld,%lld,%lld,%lld,%lld,%lld", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5]);
+      bool ok = n == 2 || n == 4 || n == 6;
+      for (int i = 0; i < n; ++i) ok = ok && v[i] >= 0;
+      if (ok) {
+        for (int i = n; i < 6; ++i) v[i] = v[i - 2];
+        d = {v[0] * 1000, v[1] * 1000, v[2] * 1000, v[3] * 1000, v[4] * 1000, v[5] * 1000};
+      }
+    }
+    return d;
+  }();
+  return b;
 }
 
-// One wait: call spin() until it returns false (sleep now); it pauses once
-// and reads the clock every 64 pauses. The budget starts at the first call.
-class Spinner {
- public:
-  explicit Spinner(int64_t budget_ns) : budget_(budget_ns) {}
-  bool spin() {
-    _mm_pause();
-    if (++n_ % 64) return true;
-    const int64_t t = now_ns();
-    if (until_ < 0) until_ = t + budget_;
-    return t < until_;
+namespace {
+// A thread is busy while it was taken off its core against its will at least
+// kBusySwitches times in the last window of kWindowNs (or in this one so
+// far): a rate, because a thread on a free core also sees a stray switch now
+// and then (a daemon waking, a migration), and that must not make the others
+// treat every core as taken.
+constexpr int64_t kWindowNs = 100'000'000;
+constexpr long kBusySwitches = 8;
+thread_local long last_nivcsw = -1, win_count = 0, prev_count = 0;
+thread_local int64_t win_start = 0;
+thread_local bool busy = false, all_busy = false;
+// Bit i: thread i of the running job is busy (one job at a time per process
+// in practice; with two, a thread only sees the bits its own indices share).
+std::atomic<uint64_t> busy_bits{0};
+// cpu_of[i]: the CPU thread i of the running job was last seen on.
+constexpr int kMaxSeen = 64;
+std::atomic<int> cpu_of[kMaxSeen];
+thread_local int t_ith = -1, t_nth = 0;
+bool busy_now() { return busy; }
+// Another thread of this job was last seen on this thread's CPU: the two
+// time-share one core (the scheduler put them there), and a spinning waiter
+// burns the very time slice the thread it waits for needs.
+bool colocated() {
+  if (t_ith < 0 || t_ith >= kMaxSeen) return false;
+  const int me = sched_getcpu();
+  cpu_of[t_ith].store(me, std::memory_order_relaxed);
+  for (int j = 0; j < t_nth && j < kMaxSeen; ++j)
+    if (j != t_ith && cpu_of[j].load(std::memory_order_relaxed) == me) return true;
+  return false;
+}
+}  // namespace
+
+int note_preemptions(int ith, int nth) {
+  struct rusage ru;
+  if (getrusage(RUSAGE_THREAD, &ru) != 0) return 0;
+  const int64_t t = now_ns();
+  if (t - win_start >= kWindowNs) {
+    prev_count = t - win_start < 2 * kWindowNs ? win_count : 0;
+    win_count = 0;
+    win_start = t;
   }
-  void restart() { n_ = 0, until_ = -1; }
+  if (last_nivcsw >= 0) win_count += ru.ru_nivcsw - last_nivcsw;
+  last_nivcsw = ru.ru_nivcsw;
+  busy = win_count >= kBusySwitches || prev_count >= kBusySwitches;
+  t_ith = ith, t_nth = nth;
+  if (ith < kMaxSeen) cpu_of[ith].store(sched_getcpu(), std::memory_order_relaxed);
+  if (ith < 64) {
+    const uint64_t bit = 1ull << ith;
+    const bool b = busy_now();
+    if (b != ((busy_bits.load(std::memory_order_relaxed) & bit) != 0)) {
+      if (b)
+        busy_bits.fetch_or(bit, std::memory_order_relaxed);
+      else
+        busy_bits.fetch_and(~bit, std::memory_order_relaxed);
+    }
+  }
+  const uint64_t all = nth >= 64 ? ~0ull : (1ull << nth) - 1;
+  all_busy = (busy_bits.load(std::memory_order_relaxed) & all) == all;
+  return busy ? 1 + all_busy : 0;
+}
 
- private:
-  int64_t budget_, until_ = -1;
-  int n_ = 0;
-};
+int64_t spin_ns_between_jobs() {
+  const SpinBudgets& b = spin_budgets();
+  if (!busy_now()) return b.between_jobs_ns;
+  if (colocated()) return 0;
+  return all_busy ? b.all_busy_between_jobs_ns : b.busy_between_jobs_ns;
+}
+int64_t spin_ns_in_job() {
+  const SpinBudgets& b = spin_budgets();
+  if (!busy_now()) return b.in_job_ns;
+  if (colocated()) return 0;
+  return all_busy ? b.all_busy_in_job_ns : b.busy_in_job_ns;
+}
 
-// Waits inside a job until ready(a's value): spins up to kSpinNsInJob, then
+namespace {
+// The spin budgets (SpinBudgets, threadpool.h), measured with
+// benchmarks/contention.py on a 2-core Zen 4 VM, SmolLM2-135M Q4_1 decode,
+// 3 rounds, fresh worker processes each round (LLAMAJET_SPIN_US tried):
+// - quiet, between jobs 3 ms: spans the Python work between two steps
+//   (~0.8 ms at 16 decode sequences), so workers do not sleep and get woken
+//   by a futex every step (median step 13.88 -> 13.61 ms); 200 us / 20 us
+//   cost 2-thread decode ~5-10% on a quiet machine.
+// - quiet, in a job 50 us (was 300 us before chunks): an op's last chunks
+//   end within a few us of each other on a quiet machine; 50 vs 300 us made
+//   no difference there.
+// - busy: a thread that keeps spinning while the OS also wants its core for
+//   another program uses up its time slice and is then preempted at a
+//   random point, most often holding a chunk, which every other thread then
+//   waits for until it is scheduled again. With one busy loop on one of two
+//   cores, 2-thread decode / quiet 1-thread: 0.76x at 3 ms / 300 us, 0.82x
+//   at 3 ms / 20 us, 1.04x at 20 us / 5 us. But with a busy loop on every
+//   core a thread that sleeps waits for the other program's slice to end
+//   before it runs again: 2-thread busy / quiet 2-thread decode 0.33x
+//   sleeping at once, 0.36x at 20 / 5 us, 0.45x at 500 / 20 us, 0.48x at
+//   1000 / 50 us. The two cases looked the same from a thread (both threads
+//   see >= 8 involuntary switches per 100 ms with one loop too: the
+//   scheduler puts the two on one core at times); what told them apart was
+//   two of the job's threads on one CPU (colocated(): never spin then: the
+//   waiter burns the slice of the thread it waits for). With that, busy
+//   1000 / 50 us: one loop 0.92x / 0.95x of quiet 1-thread, two loops 0.40x
+//   / 0.47x of quiet 2-thread (two runs).
+
+// Waits inside a job until ready(a's value): spins up to spin_ns_in_job(), then
 // sleeps on a's futex, counted in `sleepers` so the releaser notifies only
 // when someone sleeps.
 // NOTE: the sleeper count goes up before wait() re-checks a's value, so a
 // release between the two is seen by wait() (no lost wake-up).
 template <class T, class Ready>
 void spin_then_sleep(std::atomic<T>& a, std::atomic<int>& sleepers, Ready ready) {
-  Spinner sp(kSpinNsInJob);
+  Spinner sp(spin_ns_in_job());
   for (T v; !ready(v = a.load(std::memory_order_acquire));) {
     if (!sp.spin()) {
       sleepers.fetch_add(1, std::memory_order_seq_cst);
@@ -63,7 +151,8 @@ void spin_then_sleep(std::atomic<T>& a, std::atomic<int>& sleepers, Ready ready)
 }
 }  // namespace
 
-ThreadPool::ThreadPool(int n_threads) : nth_(n_threads < 1 ? 1 : n_threads) {
+ThreadPool::ThreadPool(int n_threads)
+    : nth_(n_threads < 1 ? 1 : n_threads), finished_(new std::atomic<uint32_t>[n_threads < 1 ? 1 : n_threads]()) {
   threads_.reserve(nth_ - 1);
   for (int i = 1; i < nth_; ++i) threads_.emplace_back([this, i] { worker(i); });
 }
@@ -80,6 +169,7 @@ void ThreadPool::run(JobFn fn, void* ctx) {
     fn(ctx, 0, 1);
     return;
   }
+  quiesce();  // a launched job's late workers count into done_ too
   fn_ = fn;
   ctx_ = ctx;
   done_.store(0, std::memory_order_relaxed);
@@ -90,27 +180,34 @@ void ThreadPool::run(JobFn fn, void* ctx) {
   spin_then_sleep(done_, done_sleepers_, [this](int d) { return d == nth_ - 1; });
 }
 
-void ThreadPool::barrier(const void* pf, int64_t pf_bytes) {
-  if (nth_ == 1) return;
-  const uint32_t gen = bar_gen_.load(std::memory_order_acquire);
-  if (bar_count_.fetch_add(1, std::memory_order_acq_rel) == nth_ - 1) {
-    // Last to arrive: reset the count before releasing the others.
-    bar_count_.store(0, std::memory_order_relaxed);
-    bar_gen_.fetch_add(1, std::memory_order_seq_cst);
-    if (bar_sleepers_.load(std::memory_order_seq_cst) > 0) bar_gen_.notify_all();
+void ThreadPool::launch(JobFn fn, void* ctx) {
+  if (nth_ == 1) {
+    fn(ctx, 0, 1);
     return;
   }
-  const char* p = (const char*)pf;
-  for (int64_t off = 0; off < pf_bytes && bar_gen_.load(std::memory_order_acquire) == gen;)
-    for (const int64_t end = off + 1024 < pf_bytes ? off + 1024 : pf_bytes; off < end; off += 64)
-      __builtin_prefetch(p + off, 0, 2);
-  spin_then_sleep(bar_gen_, bar_sleepers_, [gen](uint32_t g) { return g != gen; });
+  // NOTE: a late worker reads fn_ / ctx_ only after it sees a new generation,
+  // and callers keep fn and ctx the same between launches (the executor), so
+  // rewriting them here never changes what a late worker calls.
+  fn_ = fn;
+  ctx_ = ctx;
+  job_gen_.fetch_add(1, std::memory_order_release);
+  job_gen_.notify_all();
+  fn(ctx, 0, nth_);
+}
+
+void ThreadPool::quiesce() {
+  const uint32_t g = job_gen_.load(std::memory_order_acquire);
+  for (int i = 1; i < nth_; ++i) {
+    Spinner sp(spin_ns_in_job());
+    while (finished_[i].load(std::memory_order_acquire) != g)
+      if (!sp.spin()) std::this_thread::sleep_for(std::chrono::microseconds(50)), sp.restart();
+  }
 }
 
 void ThreadPool::worker(int ith) {
   uint32_t seen = 0;
   for (;;) {
-    Spinner sp(kSpinNsBetweenJobs);
+    Spinner sp(spin_ns_between_jobs());
     uint32_t g;
     while ((g = job_gen_.load(std::memory_order_acquire)) == seen) {
       if (!sp.spin()) {
@@ -121,6 +218,7 @@ void ThreadPool::worker(int ith) {
     seen = g;
     if (stop_.load(std::memory_order_acquire)) return;
     fn_(ctx_, ith, nth_);
+    finished_[ith].store(g, std::memory_order_release);
     done_.fetch_add(1, std::memory_order_seq_cst);
     if (done_sleepers_.load(std::memory_order_seq_cst) > 0) done_.notify_all();
   }

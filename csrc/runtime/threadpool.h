@@ -1,20 +1,70 @@
-// threadpool.h — a persistent pool of worker threads with a spinning barrier.
+// threadpool.h — a persistent pool of worker threads that spin, then sleep, between jobs.
 //
 // Why this shape: a decode step of a small model is ~300 tiny ops; creating
 // threads or sleeping in the kernel between ops would cost more than the ops.
-// So workers are created once, spin briefly (then sleep on a futex via
-// std::atomic::wait) between jobs, and ops inside one job are separated by a
-// user-space barrier. The calling thread is worker 0, so nth threads means
-// nth-1 extra OS threads. A waiter spins briefly, then sleeps on a futex: when
-// the machine is oversubscribed (another process on the same cores) a
-// descheduled thread would otherwise make every barrier cost a time slice.
+// So workers are created once and spin briefly (then sleep on a futex via
+// std::atomic::wait) between jobs; how a job's threads share its work is the
+// job's business (the executor: claimed chunks). The calling thread is
+// worker 0, so nth threads means nth-1 extra OS threads. A waiter spins
+// briefly, then sleeps on a futex: when the machine is oversubscribed
+// (another process on the same cores) spinning would take the core from the
+// thread that is waited for.
 #pragma once
+#include <immintrin.h>
+
 #include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <memory>
 #include <thread>
 #include <vector>
 
 namespace lj {
+
+// How long a waiter spins (pause) before it sleeps on a futex: between jobs,
+// and inside one (an op's last chunks). Three regimes (threadpool.cpp says
+// how each was measured): quiet; this thread busy (taken off its core
+// against its will lately) while some of its job's threads are not; every
+// thread of the job busy. LLAMAJET_SPIN_US="between,in_job[,busy_between,
+// busy_in_job[,all_busy_between,all_busy_in_job]]" overrides them
+// (microseconds; read once), for measuring them on other machines.
+struct SpinBudgets {
+  int64_t between_jobs_ns, in_job_ns, busy_between_jobs_ns, busy_in_job_ns, all_busy_between_jobs_ns,
+      all_busy_in_job_ns;
+};
+const SpinBudgets& spin_budgets();
+// Reads this thread's involuntary context switches (getrusage): a thread
+// that has had any in the last 200 ms counts as busy. Called once per job by
+// each of its nth threads (ith: this one's index). Returns the regime: 0
+// quiet, 1 this thread busy, 2 every thread busy.
+int note_preemptions(int ith, int nth);
+// This thread's budgets now.
+int64_t spin_ns_between_jobs();
+int64_t spin_ns_in_job();
+
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// One wait: call spin() until it returns false (sleep now); it pauses once
+// and reads the clock every 64 pauses. The budget starts at the first call.
+class Spinner {
+ public:
+  explicit Spinner(int64_t budget_ns) : budget_(budget_ns) {}
+  bool spin() {
+    _mm_pause();
+    if (++n_ % 64) return true;
+    const int64_t t = now_ns();
+    if (until_ < 0) until_ = t + budget_;
+    return t < until_;
+  }
+  void restart() { n_ = 0, until_ = -1; }
+
+ private:
+  int64_t budget_, until_ = -1;
+  int n_ = 0;
+};
 
 class ThreadPool {
  public:
@@ -28,11 +78,14 @@ class ThreadPool {
   int size() const { return nth_; }
   // Runs fn(ctx, ith, nth) on every thread; returns when all have finished.
   void run(JobFn fn, void* ctx);
-  // Called by all nth threads inside a job: none passes until all arrive.
-  // A thread that waits (not the last to arrive) prefetches [pf, pf + pf_bytes)
-  // into L2 while it waits, in 1 KiB steps between looks at the barrier: the
-  // next op's first weights, read while the slowest thread finishes this one.
-  void barrier(const void* pf = nullptr, int64_t pf_bytes = 0);
+  // Runs fn(ctx, 0, nth) here and starts it on the other threads, but does
+  // not wait for them: the job itself must know when its work is done (the
+  // executor's claimed chunks). A worker the OS has descheduled may enter or
+  // leave the job after launch() returns; it must then find nothing to do.
+  void launch(JobFn fn, void* ctx);
+  // Returns when every worker has left every job started so far: call before
+  // changing anything a late worker could still read.
+  void quiesce();
 
  private:
   void worker(int ith);
@@ -46,12 +99,11 @@ class ThreadPool {
   std::atomic<uint32_t> job_gen_{0};
   std::atomic<int> done_{0};
   std::atomic<bool> stop_{false};
-  alignas(64) std::atomic<int> bar_count_{0};
-  alignas(64) std::atomic<uint32_t> bar_gen_{0};
-  // Threads asleep on bar_gen_ / done_ (futex): the releaser calls notify only
-  // when someone sleeps, so an uncontended barrier makes no system call.
-  alignas(64) std::atomic<int> bar_sleepers_{0};
+  // Threads asleep on done_ (futex): a worker calls notify only when someone
+  // sleeps, so an uncontended end of job makes no system call.
   std::atomic<int> done_sleepers_{0};
+  // finished_[i]: the last job generation worker i returned from.
+  std::unique_ptr<std::atomic<uint32_t>[]> finished_;
 };
 
 }  // namespace lj

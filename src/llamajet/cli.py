@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import platform
 import sys
+import warnings
 
 from llamajet.errors import LlamajetError
 from llamajet.options import add_runtime_args, runtime_config
@@ -50,6 +51,7 @@ def _llm(a):
 def cmd_generate(a) -> int:
     params = _params(a)  # validate flags before loading the model
     llm = _llm(a)
+    llm.engine.runner.reset_thread_stats()
     for ev in llm.stream(a.prompt, params):
         sys.stdout.write(ev.text)
         sys.stdout.flush()
@@ -59,8 +61,21 @@ def cmd_generate(a) -> int:
         pre = s.prompt_tokens / s.prefill_s if s.prefill_s else float("nan")
         dec = s.decode_tokens / s.decode_s if s.decode_s else float("nan")
         print(f"[llamajet] isa={llm.isa} threads={llm.n_threads} prompt={s.prompt_tokens} tok "
-              f"prefill={pre:.1f} tok/s  decode={s.decode_tokens} tok at {dec:.1f} tok/s", file=sys.stderr)
+              f"prefill={pre:.1f} tok/s  decode={s.decode_tokens} tok at {dec:.1f} tok/s  "
+              f"{busy_note(llm.engine.runner.thread_stats())}", file=sys.stderr)
     return 0
+
+
+def busy_note(t: dict) -> str:
+    """thread_idle_fraction in words: on a quiet machine threads wait a few
+    percent of a step (the ends of ops); far more means other programs held
+    the cores (or more threads than cores)."""
+    idle = t["thread_idle_fraction"]
+    busy = t["steps"] > 0 and max(t.get("busy_steps") or [0]) > t["steps"] / 2  # preempted in most steps
+    note = f"thread_idle_fraction={idle:.2f}"
+    if idle > 0.25 or busy:
+        note += " (the machine was busy: other programs held the cores part of the time)"
+    return note
 
 
 def cmd_chat(a) -> int:
@@ -105,7 +120,8 @@ def cmd_info(a) -> int:
     print("features:   " + " ".join(k for k, v in feats.items() if v))
     print(f"isas:       {', '.join(ops.supported_isas())}")
     print(f"isa chosen: {ops.resolve_isa(a.isa)}")
-    print(f"threads:    {ops.default_threads()} (physical cores)")
+    usable, why = ops.usable_cores()
+    print(f"threads:    {usable} usable core{'s' * (usable != 1)}: {why}")
     print(f"python:     {platform.python_version()}")
     for pkg in ("llamajet", "numpy", "tokenizers", "gguf", "jinja2"):
         try:
@@ -365,7 +381,12 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    return f"llamajet: warning: {message}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
+    warnings.formatwarning = _one_line_warning  # the CLI's warnings are for its user, not a traceback
     a = build_parser().parse_args(argv)
     try:
         return a.fn(a)

@@ -552,7 +552,9 @@ class RuntimeConfig:
     max_model_len: int | None = _option(
         None, "context served: prompt + output tokens (default: min(the model's, 4096))")
     n_threads: int | None = _option(
-        None, "compute threads (default: the physical cores this process may use)", flags=("--threads", "-t"))
+        None, "compute threads (default: the usable cores: physical cores in the affinity mask, capped by the "
+        "cgroup's CPU quota; more are lowered to that, with a warning)", flags=("--threads", "-t"))
+    oversubscribe: bool = _option(False, "keep an n_threads above the usable cores instead of lowering it")
     isa: str | None = _option(
         None, "force a kernel tier: scalar | avx2 | avx512 | amx (default: the best this CPU has)")
     kernels: str = _option(
@@ -604,7 +606,7 @@ class RuntimeConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 bad(name, "must be a positive integer")
-        for name in ("enable_prefix_caching", "kv_prefault", "fuse"):
+        for name in ("enable_prefix_caching", "kv_prefault", "fuse", "oversubscribe"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be True or False")
         if self.max_model_len is not None and self.max_model_len < 2:

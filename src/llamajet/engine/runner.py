@@ -20,7 +20,7 @@ graph` runs too, so what it shows is what the runner runs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -86,7 +86,7 @@ def compile_graph(model: LoadedModel, cfg: RuntimeConfig,
     # the file's pages released tensor by tensor (formats/pending.py)
     graph.weights.update(materialize(graph.weights, cfg.n_threads, release=release))
     if outliers:
-        isa, nth = ops.resolve_isa(cfg.isa), cfg.n_threads or ops.default_threads()
+        isa, nth = ops.resolve_isa(cfg.isa), cfg.n_threads or ops.default_threads()  # (resolved by ModelRunner)
         if outlier_plan is not None:  # kept by a weight_cache entry: no probe
             channels, tiled = outlier_plan["ocols"], outlier_plan["ow"]
         else:
@@ -103,6 +103,8 @@ class ModelRunner:
     def __init__(self, model: LoadedModel, cfg: RuntimeConfig, probe_ids: list[int] | None = None,
                  outlier_plan: dict | None = None) -> None:
         cfg = cfg.for_model(model.config)  # max_model_len resolved, and within the model's limit
+        # threads resolved once (the usable cores; a request above them lowered, with one warning)
+        cfg = replace(cfg, n_threads=ops.resolve_threads(cfg.n_threads, cfg.oversubscribe))
         self.model = model
         self.runtime = cfg
         self.config = model.config
@@ -124,7 +126,7 @@ class ModelRunner:
         self.weights = dict(self.graph.weights)
         self.plan: MemoryPlan = plan_memory(self.graph, {"T": self.max_tokens, "O": self.max_out})
         self.exe = ops.Executor(
-            isa=ops.resolve_isa(cfg.isa), n_threads=cfg.n_threads or ops.default_threads(),
+            isa=ops.resolve_isa(cfg.isa), n_threads=cfg.n_threads,
             max_tokens=self.max_tokens, max_out=self.max_out, max_seqs=self.max_seqs, max_blocks=self.max_blocks,
             kv_slots=self.num_blocks * self.block_size, block_size=self.block_size, max_pos=self.max_model_len,
             scratch_floats=0)  # the executor sizes per-thread scratch from the ops it is given
@@ -166,6 +168,23 @@ class ModelRunner:
     @property
     def kv_pool_bytes(self) -> int:
         return self.num_blocks * self.kv_bytes_per_block
+
+    def thread_stats(self) -> dict:
+        """How the compute threads shared the steps since the last
+        reset_thread_stats(): per thread the chunks run and stolen and the
+        cycles inside kernels ("chunks", "stolen", "work_cycles"), the steps,
+        the waits that slept, the last step's chunks per op per thread, and
+        thread_idle_fraction: the share of the threads' time in the steps
+        spent waiting rather than computing (1 - work / (threads x step
+        wall)). A few percent on a quiet machine (the ops' imbalance and
+        their ends); large when other programs hold the cores."""
+        t = self.exe.thread_stats()
+        wall = t["wall_cycles"] * self.n_threads
+        t["thread_idle_fraction"] = max(0.0, 1.0 - sum(t["work_cycles"]) / wall) if wall else 0.0
+        return t
+
+    def reset_thread_stats(self) -> None:
+        self.exe.reset_thread_stats()
 
     def execute(self, b: StepBatch) -> np.ndarray:
         """Runs one step; returns logits [n_out, vocab] as a view into the

@@ -50,10 +50,13 @@ def _llamajet_worker(conn, model, cfg, max_len, fuse=True):
     conn.send(("ready", f"llamajet ({llm.isa}, {cfg.kernels}{'' if llm.runtime.fuse else ', no-fuse'})", load,
                _memory_figures(llm)))
 
+    runner = llm.engine.runner
+
     def timed(ids, n):
+        runner.reset_thread_stats()
         t = time.perf_counter()
         llm.generate([ids], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-        return time.perf_counter() - t
+        return time.perf_counter() - t, runner.thread_stats()["thread_idle_fraction"]
 
     _serve(conn, timed)
 
@@ -107,7 +110,8 @@ def _serve(conn, timed):
         if msg is None:
             conn.send(("rss", _peak_rss_mib()))
             return
-        conn.send(("t", timed(*msg)))
+        r = timed(*msg)  # seconds, or (seconds, thread_idle_fraction)
+        conn.send(("t",) + (r if isinstance(r, tuple) else (r, None)))
 
 
 class _Checked:
@@ -134,6 +138,7 @@ class EngineFigures:
     prefill: dict = field(default_factory=lambda: {p: [] for p in PROMPTS})  # P -> [tok/s]
     decode: list = field(default_factory=list)  # tok/s
     decode_long: list = field(default_factory=list)  # tok/s after the long prompt
+    idle: list = field(default_factory=list)  # llamajet's thread_idle_fraction over each decode run
     peak_rss_mib: float = float("nan")
     load_s: float = float("nan")
     memory: dict = field(default_factory=dict)  # llamajet's: weights_bytes, kv_bytes, decode_bytes
@@ -150,7 +155,10 @@ def _round(conn, prompts, fig: EngineFigures, long_prompt=None):
     conn.send((prompts[PROMPTS[0]], 1))
     t1 = conn.recv()[1]
     conn.send((prompts[PROMPTS[0]], 1 + NEW_TOKENS))
-    fig.decode.append(NEW_TOKENS / (conn.recv()[1] - t1))
+    _, t2, idle = conn.recv()
+    fig.decode.append(NEW_TOKENS / (t2 - t1))
+    if idle is not None:
+        fig.idle.append(idle)
     if long_prompt:  # decode with a long context in the KV cache (attention reads it every token)
         conn.send((long_prompt, 1))
         t1 = conn.recv()[1]
@@ -281,6 +289,11 @@ def run(model: str | None = None, cfg=None, rounds: int = 3, vs_llama_cpp: bool 
     if figures is not None:
         figures.extend(figs)
     lines.append("(tok/s; prefill = prompt tokens / time to the first token)")
+    for f in figs:
+        if f.idle:
+            i = statistics.median(f.idle)
+            lines.append(f"{f.name}: thread_idle_fraction {i:.2f} while decoding (share of its threads' step time "
+                         f"spent waiting{'; the machine was busy' if i > 0.25 else ''})")
     bwm = statistics.median(bw) if bw else float("nan")
     for f, (_, dec) in zip(figs, meds):
         m = f.memory

@@ -114,17 +114,25 @@ def _round_up(n: int, a: int = ALIGN) -> int:
 
 
 def liveness(graph: Graph) -> dict[str, tuple[int, int]]:
-    """activation -> (producing node, last reading node); graph outputs: len(nodes)."""
+    """activation -> (producing node, last reading node); graph outputs: len(nodes).
+
+    A kv_write followed by an attention: the executor may run the two as
+    one region (chunk u of both on one thread, no wait between them:
+    runtime/executor.cpp, Slot::pairs_next), so kv_write's inputs live
+    through the attention node too (attention's output must not reuse their
+    memory while another chunk's kv_write still reads them)."""
     start: dict[str, int] = {}
     last: dict[str, int] = {}
-    for idx, node in enumerate(graph.nodes):
+    nodes = graph.nodes
+    for idx, node in enumerate(nodes):
         for t in node.writes():
             if graph.tensors[t].kind == "activation":
                 start[t] = idx
                 last[t] = idx
+        paired = node.op == "kv_write" and idx + 1 < len(nodes) and nodes[idx + 1].op == "attention"
         for t in node.reads():
             if t in start:
-                last[t] = idx
+                last[t] = idx + 1 if paired else idx
     for t in graph.outputs:
         if t in start:
             last[t] = len(graph.nodes)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from llamajet import _core
-from llamajet.ops.dispatch import default_threads, resolve_isa, supported_isas
+from llamajet.ops.dispatch import (ThreadsClampedWarning, default_threads, resolve_isa, resolve_threads,
+                                   supported_isas, usable_cores)
 
 Executor = _core.Executor
 Ref = _core.Ref
@@ -128,8 +129,9 @@ def i32(a) -> np.ndarray:
 
 __all__ = [
     "DType", "Epilogue", "Executor", "GGML_BLOCK_TYPES", "KV_DTYPES", "OPS", "OpKind", "Prologue", "QK",
-    "ROWS_OUT", "ROWS_TOKENS", "Ref", "TILE", "cpu_features", "default_threads", "dequantize_packed", "dtype",
-    "dtype_name", "ggml_block_bytes", "i32", "packed_act_dtype", "packed_block_bytes", "packed_code_bits",
-    "packed_super", "qact_span", "quantize_packed", "repack_gguf", "resolve_isa", "row_bytes",
-    "step_allocations", "supported_isas", "tensor_bytes",
+    "ROWS_OUT", "ROWS_TOKENS", "Ref", "TILE", "ThreadsClampedWarning", "cpu_features", "default_threads",
+    "dequantize_packed", "dtype", "dtype_name", "ggml_block_bytes", "i32", "packed_act_dtype",
+    "packed_block_bytes", "packed_code_bits", "packed_super", "qact_span", "quantize_packed", "repack_gguf",
+    "resolve_isa", "resolve_threads", "row_bytes", "step_allocations", "supported_isas", "tensor_bytes",
+    "usable_cores",
 ]

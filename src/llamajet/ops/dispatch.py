@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from functools import lru_cache
 
 from llamajet import _core
@@ -129,11 +130,49 @@ def cgroup_cpu_limit(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/sel
     return min(found) if found else None
 
 
-def default_threads(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> int:
-    """Physical cores, capped by the cgroup's CPU quota (rounded up: 1.5 CPUs
-    -> 2 threads)."""
+def usable_cores(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> tuple[int, str]:
+    """(usable cores, why): the physical cores in this process's affinity
+    mask, capped by ceil(the CPU quota of its cgroup) (1.5 CPUs -> 2)."""
     n = physical_cores()
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        cpus = os.cpu_count() or 1
+    why = f"{n} physical core{'s' * (n != 1)} in the affinity mask ({cpus} CPU{'s' * (cpus != 1)})"
     quota = cgroup_cpu_limit(root, proc_cgroup)
-    if quota is not None:
-        n = min(n, max(1, math.ceil(quota)))
-    return n
+    if quota is None:
+        return n, why + "; no cgroup CPU quota"
+    cap = max(1, math.ceil(quota))
+    if cap < n:
+        return cap, why + f"; cgroup CPU quota {quota:g} CPUs caps it at {cap}"
+    return n, why + f"; cgroup CPU quota {quota:g} CPUs (no tighter)"
+
+
+def default_threads(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> int:
+    """The usable cores (usable_cores)."""
+    return usable_cores(root, proc_cgroup)[0]
+
+
+class ThreadsClampedWarning(UserWarning):
+    """n_threads above the usable cores, lowered to them."""
+
+
+def resolve_threads(requested: int | None, oversubscribe: bool = False, *, root: str = "/sys/fs/cgroup",
+                    proc_cgroup: str = "/proc/self/cgroup") -> int:
+    """The compute threads to run: `requested`, or the usable cores when None.
+
+    More threads than usable cores never helps and usually hurts a lot (a
+    thread the OS must time-slice holds up every op it has work in; with
+    claimed chunks far less, but each extra thread still costs a core's
+    worth of context switches): so a request above the usable cores is
+    lowered to them with a one-line ThreadsClampedWarning, unless
+    `oversubscribe` keeps it."""
+    usable, why = usable_cores(root, proc_cgroup)
+    if requested is None:
+        return usable
+    if requested > usable and not oversubscribe:
+        warnings.warn(f"n_threads={requested} is more than the {usable} usable core{'s' * (usable != 1)} ({why}): "
+                      f"running {usable} (oversubscribe=True / --oversubscribe keeps {requested})",
+                      ThreadsClampedWarning, stacklevel=3)
+        return usable
+    return requested

@@ -50,6 +50,11 @@ class Metrics:
                                buckets=_LATENCY, registry=r)
         self.http = Counter("llamajet:http_requests", "HTTP requests by route and status", ["route", "status"],
                             registry=r)
+        self.idle = Gauge("llamajet:thread_idle_fraction",
+                          "Share of the compute threads' time in the steps since the last scrape spent waiting "
+                          "rather than computing: a few percent on a quiet machine, far more when other programs "
+                          "hold the cores", lab, registry=r)
+        self._idle_seen = (0, 0)
         self._preempt_seen = 0
         for m in (self.prefix_queries, self.prefix_hits, self.prompt_tokens, self.generation_tokens,
                   self.preemptions):
@@ -67,6 +72,12 @@ class Metrics:
         if engine is not None:
             b = engine.blocks
             self.kv_usage.labels(m).set(b.num_used / b.num_blocks)
+            # cycles in kernels / steps' cycles x threads, over the steps since the last scrape
+            work, wall = engine.runner.exe.idle_counters()
+            dw, dt = work - self._idle_seen[0], wall - self._idle_seen[1]
+            if dt > 0 and dw >= 0:  # (a reset of the counters: skip one reading)
+                self.idle.labels(m).set(max(0.0, 1.0 - dw / dt))
+            self._idle_seen = (work, wall)
             n = engine.scheduler.num_preemptions
             if n > self._preempt_seen:
                 self.preemptions.labels(m).inc(n - self._preempt_seen)
