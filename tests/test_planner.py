@@ -234,6 +234,11 @@ def test_cli_graph_decode_prints_arena_vs_naive_and_writes_dot(smollm2_parts, tm
     out = r.stdout
     assert "before passes:" in out and "after passes:" in out
     assert "blk.29.ffn_down" in out and re.search(r"matmul\[\S+ g\d+ a8, \w+\]", out)
+    # regions: the unfused graph's nodes, the fused graph's, and decode's with each of the 30
+    # layers' kv_write + attention as one (tests/test_contention.py counts them in a real step)
+    before, after, decode = map(int, re.search(r"regions per step: (\d+) unfused, (\d+) as run; decode steps "
+                                               r"(\d+)", out).groups())
+    assert before > after == decode + 30
     # the printed totals are the planner's, for the graph ModelRunner runs (fused, T=1)
     _, plan = _smollm2_plan(smollm2_parts, 1, fused=True)
     assert _numbers(out) == (plan.arena_bytes, plan.naive_bytes)

@@ -362,8 +362,10 @@ def test_api_key_guards_v1_but_not_health(stories_hf):
 
 
 def test_full_queue_is_429_with_retry_after(stories_hf):
-    srv = LiveServer(LLM(stories_hf, max_model_len=256, max_num_seqs=1), max_queued_requests=2)
-    long = {"model": M, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    # The first request must still be running when the third arrives: 500 tokens (closing its stream
+    # below ends it); 200 once finished first on a quiet machine, and the third was admitted.
+    srv = LiveServer(LLM(stories_hf, max_model_len=512, max_num_seqs=1), max_queued_requests=2)
+    long = {"model": M, "prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True, "stream": True}
     try:
         with httpx.Client(timeout=60) as c1:
             threads = []
@@ -415,7 +417,7 @@ def test_disconnect_before_the_first_token_cancels_the_waiting_request(smollm2_g
     try:
         with httpx.Client(timeout=60) as c1, c1.stream(
                 "POST", srv.url + "/v1/completions",
-                json={"model": M, "prompt": "Once", "max_tokens": 2000, "ignore_eos": True, "stream": True}) as r1:
+                json={"model": M, "prompt": "Once", "max_tokens": 500, "ignore_eos": True, "stream": True}) as r1:
             lines = r1.iter_lines()  # (kept: a dropped iterator closes the stream)
             next(lines)
             base_tokens, base_generated = eng.stats.tokens, eng.stats.generated

@@ -368,6 +368,7 @@ void Executor::job(void* self, int ith, int nth) {
 void Executor::job_chunked(int ith, int nth) {
   const uint32_t g = step_gen_.load(std::memory_order_acquire);
   const int regime = note_preemptions(ith, nth);
+  const double tsc_ns = tsc_per_ns();
   // A late thread's copy may be torn (the next step rewriting ctx_): it is
   // used only after a claim that op_live() proves was of a live step.
   StepCtx c = ctx_;
@@ -394,12 +395,12 @@ void Executor::job_chunked(int ith, int nth) {
     for (size_t j = k; j <= last; ++j) counts[j] = 0;
     if (ith == stall_thread_ && (stall_kinds_ >> op.kind & 1) && (stall_every_ || !(stalled >> op.kind & 1))) {
       stalled |= 1u << op.kind;
-      if (!wait_op(last, g, -1, nth)) return;
+      if (!wait_op(last, g, -1, nth, 0)) return;
       k = last;
       continue;
     }
     const int U = chunks_[k].load(std::memory_order_relaxed);
-    int64_t mine = 0;
+    int64_t mine = 0, longest = 0;
     c.first = 1;
     for (;;) {
       bool stolen = false;
@@ -408,14 +409,16 @@ void Executor::job_chunked(int ith, int nth) {
       if (u < 0) break;
       const uint64_t w0 = __rdtsc();
       for (size_t j = k; j <= last; ++j) slots_[j].fn(slots_[j].params, c, (int)u, U);
-      PerThread::add(me.work, (int64_t)(__rdtsc() - w0));
+      const int64_t dt = (int64_t)(__rdtsc() - w0);
+      PerThread::add(me.work, dt);
+      longest = dt > longest ? dt : longest;
       PerThread::add(me.stolen, stolen);
       c.first = 0;
       ++mine;
     }
     for (size_t j = k; j <= last; ++j) counts[j] = (int32_t)mine;
     PerThread::add(me.chunks, mine);
-    if (!(mine && report(last, g, mine)) && !wait_op(last, g, ith, nth)) return;
+    if (!(mine && report(last, g, mine)) && !wait_op(last, g, ith, nth, (int64_t)(longest / tsc_ns))) return;
     if (prof) {
       const auto t1 = std::chrono::steady_clock::now();
       op_ns_[last] += std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
@@ -484,13 +487,14 @@ bool Executor::report(size_t k, uint32_t g, int64_t n) {
 }
 
 // Waits until op k of step g is complete: true, or false when step g is
-// over (a late thread). Meanwhile thread ith (>= 0) prefetches the start of
+// over (a late thread). Spins for about two of this thread's chunks of the
+// op (chunk_ns: its longest; spin_ns_for_chunks), then sleeps. Meanwhile thread ith (>= 0) prefetches the start of
 // its own chunks of the next op's weights into L2, in 1 KiB steps between
 // looks: the memory stays busy while the last chunks finish, and the next
 // op starts on lines already in L2. Then spins, then sleeps on progress_.
 // NOTE: progress_ is read before the done word, so a completion between the
 // look and the sleep changes progress_ and wait() returns (no lost wake-up).
-bool Executor::wait_op(size_t k, uint32_t g, int ith, int nth) {
+bool Executor::wait_op(size_t k, uint32_t g, int ith, int nth, int64_t chunk_ns) {
   const std::atomic<uint64_t>& a = done_[k / 8].w[k % 8];
   const auto status = [&] {  // 1 complete, -1 over, 0 running
     const uint64_t d = a.load(std::memory_order_acquire);
@@ -514,7 +518,7 @@ bool Executor::wait_op(size_t k, uint32_t g, int ith, int nth) {
       if (st) return st > 0;
     }
   }
-  Spinner sp(spin_ns_in_job());
+  Spinner sp(spin_ns_for_chunks(chunk_ns));
   for (;;) {
     const uint32_t p = progress_.load(std::memory_order_seq_cst);
     if ((st = status())) return st > 0;

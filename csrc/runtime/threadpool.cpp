@@ -2,6 +2,7 @@
 #include "threadpool.h"
 
 #include <immintrin.h>
+#include <x86intrin.h>
 
 #include <chrono>
 #include <cstdio>
@@ -14,7 +15,7 @@ namespace lj {
 
 const SpinBudgets& spin_budgets() {
   static const SpinBudgets b = [] {
-    SpinBudgets d{3'000'000, 50'000, 300'000, 20'000, 1'000'000, 50'000};
+    SpinBudgets d{3'000'000, 300'000, 300'000, 20'000, 1'000'000, 50'000};
     if (const char* e = std::getenv("LLAMAJET_SPIN_US")) {
       long long v[6] = {-1, -1, -1, -1, -1, -1};
       const int n = std::sscanf(e, "%lld,%lld,%lld,%lld,%lld,%lld", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5]);
@@ -37,7 +38,7 @@ namespace {
 // and then (a daemon waking, a migration), and that must not make the others
 // treat every core as taken.
 constexpr int64_t kWindowNs = 100'000'000;
-constexpr long kBusySwitches = 8;
+constexpr long kBusySwitches = 8;  // (20 and 40 measured no better: 0.86x / 0.80x with one busy loop)
 thread_local long last_nivcsw = -1, win_count = 0, prev_count = 0;
 thread_local int64_t win_start = 0;
 thread_local bool busy = false, all_busy = false;
@@ -104,6 +105,23 @@ int64_t spin_ns_in_job() {
   return all_busy ? b.all_busy_in_job_ns : b.busy_in_job_ns;
 }
 
+int64_t spin_ns_for_chunks(int64_t chunk_ns) {
+  const int64_t cap = spin_ns_in_job();
+  const int64_t want = 2 * chunk_ns > kMinChunkSpinNs ? 2 * chunk_ns : kMinChunkSpinNs;
+  return want < cap ? want : cap;
+}
+
+double tsc_per_ns() {
+  static const double r = [] {
+    const int64_t t0 = now_ns();
+    const uint64_t c0 = __rdtsc();
+    int64_t t;
+    while ((t = now_ns()) - t0 < 2'000'000) _mm_pause();
+    return (double)(__rdtsc() - c0) / (double)(t - t0);
+  }();
+  return r;
+}
+
 namespace {
 // The spin budgets (SpinBudgets, threadpool.h), measured with
 // benchmarks/contention.py on a 2-core Zen 4 VM, SmolLM2-135M Q4_1 decode,
@@ -112,9 +130,16 @@ namespace {
 //   (~0.8 ms at 16 decode sequences), so workers do not sleep and get woken
 //   by a futex every step (median step 13.88 -> 13.61 ms); 200 us / 20 us
 //   cost 2-thread decode ~5-10% on a quiet machine.
-// - quiet, in a job 50 us (was 300 us before chunks): an op's last chunks
-//   end within a few us of each other on a quiet machine; 50 vs 300 us made
-//   no difference there.
+// - quiet, in a job: at most 300 us (as before chunks), and only about two
+//   of the waiter's own chunks of the op (spin_ns_for_chunks, at least 100
+//   us): an op ends within about a chunk of the first thread to find nothing
+//   left, so a longer wait is a holder the OS took off its core. A flat 50
+//   us made decode no slower but 2-thread prefill 0.93x / 0.89x (128 / 512
+//   tokens: its chunks run ~100 us and longer, and every op end went to
+//   the futex); a flat 300 us 0.99x / 1.01x of the build before chunks but
+//   one busy loop 0.79x; two chunks, at least 20 us: 0.86-0.88x there, at
+//   least 100 us: 0.91x (quiet figures within this VM's noise, +-10% per
+//   round).
 // - busy: a thread that keeps spinning while the OS also wants its core for
 //   another program uses up its time slice and is then preempted at a
 //   random point, most often holding a chunk, which every other thread then

@@ -41,6 +41,15 @@ int note_preemptions(int ith, int nth);
 // This thread's budgets now.
 int64_t spin_ns_between_jobs();
 int64_t spin_ns_in_job();
+// The wait for an op's last chunks: twice the longest chunk this thread ran
+// in the op (at least kMinChunkSpinNs; a quiet op ends within about one
+// chunk of the first thread to find nothing left; a wait much longer than
+// that is a holder the OS has taken off its core), capped by
+// spin_ns_in_job().
+constexpr int64_t kMinChunkSpinNs = 100'000;
+int64_t spin_ns_for_chunks(int64_t chunk_ns);
+// TSC ticks per nanosecond (measured once, over 2 ms).
+double tsc_per_ns();
 
 inline int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())

@@ -249,7 +249,10 @@ def cmd_graph(a) -> int:
     style = dict(act_int8=cfg.act_int8, kv_dtype=cfg.kv_dtype)
     print(f"llamajet graph: {path}, phase {a.phase} (T={symbols['T']}, O={symbols['O']}), isa {isa}, "
           f"kernels {cfg.kernels}")
+    unfused = []
+
     def before(g):  # the graph before the passes in one line, the listing after them
+        unfused.append(len(g.nodes))
         if cfg.fuse:
             print(f"before passes: {summary(g, plan_memory(g, symbols))}")
 
@@ -260,6 +263,14 @@ def cmd_graph(a) -> int:
     plan = plan_memory(graph, symbols)
     if cfg.fuse:
         print(f"after passes:  {summary(graph, plan)}")
+    # A region: work that ends where the threads wait for an op's last chunk
+    # (runtime/executor.cpp): one per op, except that a step whose every
+    # sequence is one attention run (decode) runs kv_write + attention as one.
+    ops_ = [n.op for n in graph.nodes]
+    pairs = sum(1 for x, y in zip(ops_, ops_[1:]) if (x, y) == ("kv_write", "attention"))
+    was = f"{unfused[0]} unfused, " if cfg.fuse else ""
+    print(f"regions per step: {was}{len(ops_)} as run; decode steps {len(ops_) - pairs} "
+          f"(each layer's kv_write and attention as one)")
     print()
     print(describe(graph, plan, isa, **style))
     if a.dot:

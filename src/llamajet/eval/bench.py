@@ -43,6 +43,7 @@ class BatchResult:
     kv_tokens: int = 0        # sum over decode steps of tokens held
     kv_bytes_peak: int = 0    # bytes of the blocks held, at the largest
     preemptions: int = 0
+    idle: float = 0.0         # thread_idle_fraction over the run's steps (ModelRunner.thread_stats)
 
     @property
     def decode_tps(self) -> float:
@@ -91,6 +92,7 @@ def bench_prompts(tokenizer, n: int, length: int, corpus: Path | None, vocab: in
 def run_batch(llm, prompts: list[list[int]], max_tokens: int) -> BatchResult:
     eng = llm.engine
     eng.blocks.reset_cache()
+    eng.runner.reset_thread_stats()
     res = BatchResult(batch=len(prompts))
     pre0 = eng.scheduler.num_preemptions
     p = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -120,6 +122,7 @@ def run_batch(llm, prompts: list[list[int]], max_tokens: int) -> BatchResult:
             res.prefill_tokens += sum(s.num_tokens for s in sched if not (s.num_tokens == 1 and s.logits))
             res.prefill_s += dt
     res.preemptions = eng.scheduler.num_preemptions - pre0
+    res.idle = eng.runner.thread_stats()["thread_idle_fraction"]
     for s in seqs:
         s.events.clear()
     return res
@@ -128,12 +131,12 @@ def run_batch(llm, prompts: list[list[int]], max_tokens: int) -> BatchResult:
 def format_results(results: list[BatchResult]) -> str:
     base = results[0].decode_tps if results and results[0].batch == 1 else float("nan")
     lines = [f"{'batch':>5} {'decode tok/s':>12} {'vs batch 1':>10} {'per seq':>8} {'prefill tok/s':>13} "
-             f"{'KV slots':>9} {'tokens':>9} {'KV used':>8} {'KV MiB':>7} {'preempt':>7}"]
+             f"{'KV slots':>9} {'tokens':>9} {'KV used':>8} {'KV MiB':>7} {'preempt':>7} {'idle':>5}"]
     for r in results:
         lines.append(
             f"{r.batch:>5} {r.decode_tps:>12.1f} {r.decode_tps / base:>9.2f}x {r.decode_tps / r.batch:>8.1f} "
             f"{r.prefill_tps:>13.1f} {r.kv_slots:>9} {r.kv_tokens:>9} {100 * r.kv_utilization:>7.1f}% "
-            f"{r.kv_bytes_peak / 2**20:>7.1f} {r.preemptions:>7}")
+            f"{r.kv_bytes_peak / 2**20:>7.1f} {r.preemptions:>7} {r.idle:>5.2f}")
     return "\n".join(lines)
 
 
@@ -169,6 +172,8 @@ def main(a) -> int:
               + " decode tok/s", flush=True)
     results = [sorted(runs[b], key=lambda r: r.decode_tps)[(rounds - 1) // 2] for b in batches]
     print(format_results(results), flush=True)
+    print("(idle: thread_idle_fraction, the share of the threads' step time spent waiting rather than computing; "
+          "a few percent on a quiet machine, far more when other programs hold the cores)")
     pool = llm.engine.runner.kv_pool_bytes
     print(f"KV pool: {llm.engine.blocks.num_blocks} blocks x {cfg.block_size} slots = "
           f"{pool / 2**20:.1f} MiB allocated (committed at start); "

@@ -115,7 +115,7 @@ def totals(graph: Graph, plan: MemoryPlan) -> str:
         f"naive:   {human_bytes(plan.naive_bytes)} = every activation in its own buffer",
         f"ratio:   arena is {ratio:.2f}x smaller than naive; peak live bytes at one node (lower bound) "
         f"{human_bytes(lower)}, arena = {plan.arena_bytes / lower if lower else 1.0:.3f}x of it",
-        f"nodes:   {len(graph.nodes)} = parallel regions per step, one barrier each",
+        f"nodes:   {len(graph.nodes)} = ops per step, each cut into chunks the threads claim",
         f"tensors: {len(graph.tensors)} ({kind_list})",
     ])
 
