@@ -232,6 +232,11 @@ struct StepCtx {
   int32_t first;
 };
 
+// Rows of an operand in this step (ROWS_TOKENS / ROWS_OUT resolved).
+static inline int64_t resolve_rows(int64_t rows, const StepCtx& c) {
+  return rows == ROWS_TOKENS ? c.n_tokens : rows == ROWS_OUT ? c.n_out : rows;
+}
+
 // The attention kernel's work items, (run, kv head): a run is up to ATT_QB
 // consecutive tokens of one sequence (a decode token is a run of one).
 // Tokens [t0, t1) of the step are the run starting at t0; *cost = the

@@ -37,7 +37,7 @@ constexpr int64_t kWaitPrefetch = 64 * 1024;
 // makes it U sets `complete` and bumps progress_ (the futex word waiters
 // sleep on). Thread 0 returns from run() when the last op is complete;
 // workers may still be inside the job (a late one, just woken), but all they
-// can do is look at words: a claim counts only if op_live() holds after it
+// can do is look at words: a claim counts only if op_state() says running after it
 // (the op of that step not yet complete), and then the step cannot end
 // before the chunk is done, so what the late thread read (ctx_, chunks_) was
 // that step's. Chunks are never run twice (no backup copies): an epilogue
@@ -63,9 +63,6 @@ int64_t even_chunks(int64_t items, int64_t min_per, int64_t cap) {
   const int64_t per = (items + u - 1) / u;
   return (items + per - 1) / per;
 }
-int64_t rows_of(int64_t rows, const StepCtx& c) {
-  return rows == ROWS_TOKENS ? c.n_tokens : rows == ROWS_OUT ? c.n_out : rows;
-}
 }  // namespace
 
 // Chunks of op s this step: its kernel's own work items (what it splits),
@@ -74,7 +71,8 @@ int64_t rows_of(int64_t rows, const StepCtx& c) {
 // op; attention / kv_write one (run, kv head) item; a row op >= 4 rows; a
 // flat op >= 4096 floats. A decode step's row ops are then one chunk (one
 // thread: splitting 2 KiB of work costs more in claims than it saves).
-static int64_t op_chunks(int kind, const void* params, const StepCtx& c) {
+// att_runs: the step's attention runs (counted once per step, in run()).
+static int64_t op_chunks(int kind, const void* params, const StepCtx& c, int64_t att_runs) {
   switch (kind) {
     case OP_MATMUL: {
       const MatmulOp& p = *(const MatmulOp*)params;
@@ -83,23 +81,21 @@ static int64_t op_chunks(int kind, const void* params, const StepCtx& c) {
     case OP_KV_WRITE:
     case OP_ATTENTION: {
       const int64_t kvh = kind == OP_KV_WRITE ? ((const KvWriteOp*)params)->kv_heads : ((const AttentionOp*)params)->kv_heads;
-      int64_t runs = 0, cost;
-      for (int64_t t0 = 0; t0 < c.n_tokens; ++runs) t0 = att_next_run(c, t0, &cost);
-      return even_chunks(runs * kvh, 1, 32);
+      return even_chunks(att_runs * kvh, 1, 32);
     }
     case OP_EMBED:
     case OP_ROPE: return even_chunks(c.n_tokens, 4, 16);
-    case OP_RMSNORM: return even_chunks(rows_of(((const RmsNormOp*)params)->x.rows, c), 4, 16);
-    case OP_ADD_RMSNORM: return even_chunks(rows_of(((const AddRmsNormOp*)params)->x.rows, c), 4, 16);
+    case OP_RMSNORM: return even_chunks(resolve_rows(((const RmsNormOp*)params)->x.rows, c), 4, 16);
+    case OP_ADD_RMSNORM: return even_chunks(resolve_rows(((const AddRmsNormOp*)params)->x.rows, c), 4, 16);
     case OP_GATHER: return even_chunks(c.n_out, 4, 16);
-    case OP_ARGMAX: return even_chunks(rows_of(((const ArgmaxOp*)params)->x.rows, c), 1, 16);
+    case OP_ARGMAX: return even_chunks(resolve_rows(((const ArgmaxOp*)params)->x.rows, c), 1, 16);
     case OP_SWIGLU: {
       const SwigluOp& p = *(const SwigluOp*)params;
-      return even_chunks(rows_of(p.gate.rows, c) * p.gate.cols, 4096, 16);
+      return even_chunks(resolve_rows(p.gate.rows, c) * p.gate.cols, 4096, 16);
     }
     case OP_ADD: {
       const AddOp& p = *(const AddOp*)params;
-      return even_chunks(rows_of(p.a.rows, c) * p.a.cols, 4096, 16);
+      return even_chunks(resolve_rows(p.a.rows, c) * p.a.cols, 4096, 16);
     }
     case OP_QUANTIZE: {
       const QuantizeOp& p = *(const QuantizeOp*)params;
@@ -202,8 +198,7 @@ void Executor::resolve(Ref& r, const char* op, const char* name) const {
   };
   if (r.dtype < 0 || r.dtype > DTYPE_MAX) bad("has an unknown storage type");
   if (r.rows < ROWS_OUT) bad("has a bad row count");
-  const int64_t rows = r.rows == ROWS_TOKENS ? cfg_.max_tokens : r.rows == ROWS_OUT ? cfg_.max_out : r.rows;
-  const int64_t need = tensor_bytes(r.dtype, rows, r.cols, r.group);
+  const int64_t need = ref_bytes(r);
   if (need < 0)
     bad("cannot hold [" + std::to_string(r.rows) + ", " + std::to_string(r.cols) + "] (group " +
         std::to_string(r.group) + ") in storage type " + std::to_string(r.dtype) +
@@ -331,7 +326,7 @@ void Executor::run(int n_tokens, const int32_t* tokens, const int32_t* positions
   if (cfg_.n_threads > 1) {
     pairs_live_.store(pairs, std::memory_order_relaxed);
     for (size_t k = 0; k < slots_.size(); ++k)
-      chunks_[k].store((int32_t)op_chunks(slots_[k].kind, slots_[k].params, ctx_), std::memory_order_relaxed);
+      chunks_[k].store((int32_t)op_chunks(slots_[k].kind, slots_[k].params, ctx_, runs), std::memory_order_relaxed);
     step_gen_.fetch_add(1, std::memory_order_release);  // launch() publishes it (and ctx_, chunks_) again
   }
   const uint64_t w0 = __rdtsc();
@@ -370,7 +365,7 @@ void Executor::job_chunked(int ith, int nth) {
   const int regime = note_preemptions(ith, nth);
   const double tsc_ns = tsc_per_ns();
   // A late thread's copy may be torn (the next step rewriting ctx_): it is
-  // used only after a claim that op_live() proves was of a live step.
+  // used only after a claim that op_state() proves was of a live step.
   StepCtx c = ctx_;
   c.scratch = ctx_.scratch + (int64_t)ith * ctx_.scratch_floats;
   const size_t n = slots_.size();
@@ -452,7 +447,7 @@ int64_t Executor::claim(size_t k, size_t last, int ith, int nth, uint32_t g, boo
       if (b >= e) break;
       const uint64_t nw = i == 0 ? pack_own(g24, b + 1, e) : pack_own(g24, b, e - 1);
       if (a.compare_exchange_weak(w, nw, std::memory_order_acq_rel, std::memory_order_acquire)) {
-        if (!op_live(last, g)) return -2;
+        if (op_state(last, g) != 0) return -2;
         *stolen = i != 0;
         return i == 0 ? b : e - 1;
       }
@@ -461,12 +456,13 @@ int64_t Executor::claim(size_t k, size_t last, int ith, int nth, uint32_t g, boo
   return -1;
 }
 
-// Op k of step g not complete yet (so step g is not over).
-bool Executor::op_live(size_t k, uint32_t g) const {
+// Op k in step g: 1 complete, -1 step g is over (the word is a newer
+// step's), 0 running (an older generation: no chunk of it finished in step g
+// yet).
+int Executor::op_state(size_t k, uint32_t g) const {
   const uint64_t d = done_[k / 8].w[k % 8].load(std::memory_order_acquire);
   const uint32_t dg = (uint32_t)(d >> 32);
-  if (dg == g) return !(d & kComplete);
-  return !newer32(dg, g);  // older: no chunk of it finished in step g yet
+  return dg == g ? ((d & kComplete) ? 1 : 0) : newer32(dg, g) ? -1 : 0;
 }
 
 // Adds n finished chunks of op k; true when that completed the op.
@@ -487,20 +483,16 @@ bool Executor::report(size_t k, uint32_t g, int64_t n) {
 }
 
 // Waits until op k of step g is complete: true, or false when step g is
-// over (a late thread). Spins for about two of this thread's chunks of the
-// op (chunk_ns: its longest; spin_ns_for_chunks), then sleeps. Meanwhile thread ith (>= 0) prefetches the start of
-// its own chunks of the next op's weights into L2, in 1 KiB steps between
+// over (a late thread). First thread ith (>= 0) prefetches the start of its
+// own chunks of the next op's weights into L2, in 1 KiB steps between
 // looks: the memory stays busy while the last chunks finish, and the next
-// op starts on lines already in L2. Then spins, then sleeps on progress_.
+// op starts on lines already in L2. Then it spins for about two of its
+// chunks of this op (chunk_ns: its longest; spin_ns_for_chunks), then sleeps
+// on progress_.
 // NOTE: progress_ is read before the done word, so a completion between the
 // look and the sleep changes progress_ and wait() returns (no lost wake-up).
 bool Executor::wait_op(size_t k, uint32_t g, int ith, int nth, int64_t chunk_ns) {
-  const std::atomic<uint64_t>& a = done_[k / 8].w[k % 8];
-  const auto status = [&] {  // 1 complete, -1 over, 0 running
-    const uint64_t d = a.load(std::memory_order_acquire);
-    const uint32_t dg = (uint32_t)(d >> 32);
-    return dg == g ? ((d & kComplete) ? 1 : 0) : newer32(dg, g) ? -1 : 0;
-  };
+  const auto status = [&] { return op_state(k, g); };
   int st = status();
   if (st) return st > 0;
   if (ith >= 0 && k + 1 < slots_.size() && slots_[k + 1].stream) {

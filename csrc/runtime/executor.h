@@ -107,7 +107,7 @@ class Executor {
   int64_t ref_bytes(const Ref& r) const;
   void size_claims();
   int64_t claim(size_t k, size_t last, int ith, int nth, uint32_t g, bool* stolen);
-  bool op_live(size_t k, uint32_t g) const;
+  int op_state(size_t k, uint32_t g) const;
   bool report(size_t k, uint32_t g, int64_t n);
   bool wait_op(size_t k, uint32_t g, int ith, int nth, int64_t chunk_ns);
 

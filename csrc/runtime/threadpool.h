@@ -34,7 +34,8 @@ struct SpinBudgets {
 };
 const SpinBudgets& spin_budgets();
 // Reads this thread's involuntary context switches (getrusage): a thread
-// that has had any in the last 200 ms counts as busy. Called once per job by
+// that had >= 8 in the last 100 ms window (or in this one so far) counts as
+// busy. Called once per job by
 // each of its nth threads (ith: this one's index). Returns the regime: 0
 // quiet, 1 this thread busy, 2 every thread busy.
 int note_preemptions(int ith, int nth);
