@@ -309,6 +309,9 @@ def test_bad_requests_get_openai_shaped_400s(smol):
                              "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": big}}}),
          400, "response_format")
     _err(httpx.post(smol.url + "/v1/completions", json={"model": M, "prompt": "x", "best_of": 3}), 400, "best_of")
+    e = _err(httpx.post(smol.url + "/v1/completions", json={"model": M, "prompt": "x", "echo": True,
+                                                             "logprobs": 1, "max_tokens": 1}), 400, "echo")
+    assert "echo" in e["message"]  # refused by name, never a 200 with the generated token's logprob only
     e = _err(httpx.post(u, json={"model": "gpt-4", "messages": msgs}), 404, "model")
     assert "gpt-4" in e["message"]
     assert _wait(lambda: _idle(smol))

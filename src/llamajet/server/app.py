@@ -592,8 +592,9 @@ def create_app(settings: ServerSettings, load: Callable[[], Any] | Any) -> FastA
         for f in ("suffix", "best_of"):
             if getattr(req, f) not in (None, 1 if f == "best_of" else None):
                 raise ApiError(400, f"{f} is not supported", param=f)
-        if req.echo and req.stream:
-            raise ApiError(400, "echo with stream is not supported", param="echo")
+        if req.echo:  # until the prompt's own logprobs are returned, echo would score every prompt 0
+            raise ApiError(400, "echo is not supported yet: llamajet does not return the prompt's logprobs, "
+                           "and without them a scoring client (lm-eval) would read wrong numbers", param="echo")
         p = req.prompt
         if isinstance(p, str):
             prompts = [p]
@@ -747,8 +748,6 @@ def create_app(settings: ServerSettings, load: Callable[[], Any] | Any) -> FastA
         choices = []
         for idx in range(len(encoded) * n):
             text = "".join(texts.get(idx, []))
-            if req.echo:
-                text = tok.decode(encoded[idx // n]) + text
             choices.append({"index": idx, "text": text,
                             "logprobs": lps.get(idx) if req.logprobs is not None else None,
                             "finish_reason": reasons.get(idx, "abort")})
