@@ -317,6 +317,21 @@ def test_bad_requests_get_openai_shaped_400s(smol):
     assert _wait(lambda: _idle(smol))
 
 
+def test_unknown_paths_answer_404_in_their_api_family(smol):
+    r = httpx.get(smol.url + "/v1/nope")
+    e = _err(r, 404, None)  # OpenAI's shape, not FastAPI's {"detail": ...}
+    assert "/v1/nope" in e["message"]
+    for r in (httpx.post(smol.url + "/v1/messages/nope", json={}),
+              httpx.get(smol.url + "/v2/anything", headers={"anthropic-version": "2023-06-01"})):
+        assert r.status_code == 404
+        assert r.json()["type"] == "error" and r.json()["error"]["type"] == "not_found_error", r.text
+    r = httpx.get(smol.url + "/v1/chat/completions")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    # route labels come from the app's routes (counted once the response is sent: poll)
+    assert _wait(lambda: 'route="/v1/chat/completions",status="405"' in httpx.get(smol.url + "/metrics").text)
+    assert 'route="other",status="404"' in httpx.get(smol.url + "/metrics").text
+
+
 def test_context_overflow_names_both_numbers(smol):
     ids = [1] * 1000
     r = httpx.post(smol.url + "/v1/completions", json={"model": M, "prompt": ids, "max_tokens": 100})

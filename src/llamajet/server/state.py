@@ -1,0 +1,50 @@
+"""The server's settings and its per-app state (one LLM, the requests in
+flight, the metrics), shared by the app, its dependencies and its routes."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from llamajet.server.grammar import Grammars
+from llamajet.server.metrics import Metrics
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model_name: str = "llamajet"      # --served-model-name (the `model` clients must send)
+    api_key: str | None = None        # bearer token (or x-api-key) for /v1/*; None = open
+    max_queued_requests: int = 256    # requests waiting for admission before 429
+    max_body_bytes: int = 4 << 20     # request bodies larger than this get 413
+    drain_timeout: float = 30.0       # seconds in-flight requests get after SIGTERM
+    retry_after_s: int = 1            # Retry-After on 429
+
+
+class ServerState:
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.llm: Any = None                   # the llamajet.api.LLM, once loaded and warmed up
+        self.grammars: Grammars | None = None
+        self.load_error: str | None = None
+        self.draining = False
+        self.inflight = 0                      # generation requests not yet answered in full
+        self.groups: dict[int, list] = {}      # request key -> its Sequences (loop thread only)
+        self.metrics = Metrics(settings.model_name)
+        self.fingerprint = "fp_llamajet"
+        self.idle = asyncio.Event()            # set while inflight == 0 (drain waits on it)
+        self.idle.set()
+
+    @property
+    def ready(self) -> bool:
+        return self.llm is not None and not self.draining
+
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting) requests: admitted to the batch or not yet."""
+        running = waiting = 0
+        for group in self.groups.values():
+            if group[0].admit_time is None:
+                waiting += 1
+            elif not all(s.finished for s in group):
+                running += 1
+        return running, waiting
