@@ -17,6 +17,7 @@ import numpy as np
 
 from llamajet.engine.async_engine import AsyncEngine
 from llamajet.config import RuntimeConfig
+from llamajet.engine.embedder import POOLINGS, Embedder, Embeddings
 from llamajet.engine.engine import Engine, StreamEvent
 from llamajet.engine.outliers import plan_file as outlier_plan_file
 from llamajet.engine.outliers import load_probe
@@ -67,6 +68,10 @@ class LLM:
         LLM("model.gguf", kv_dtype="int8", max_model_len=8192)
         LLM("hf_folder/", RuntimeConfig(quantize="int4_asym_g32"), n_threads=4)
 
+    Embeddings (``embed``, ``embed_with_counts``) run a second compiled
+    program over the same weights, built on the first call
+    (engine/embedder.py).
+
     Threads and event loops (docs/limits.md): one LLM may be shared.
     - ``generate``, ``chat`` and ``logits`` are serialized by a lock inside
       the LLM: calls from two threads run one after the other, each exactly
@@ -82,6 +87,9 @@ class LLM:
     - ``astream`` / ``agenerate`` run on one event loop at a time (the
       AsyncEngine's): from a second loop while the first is in use they raise
       ConcurrencyError; one loop after another (``asyncio.run`` twice) works.
+    - ``embed`` calls run one at a time among themselves (one arena); each of
+      their steps takes the Engine's lock, so they interleave with generation
+      steps from any thread, and their results never depend on what ran beside.
     """
 
     def __init__(self, path: str | Path | None = None, config: RuntimeConfig | None = None, **options) -> None:
@@ -128,6 +136,8 @@ class LLM:
             trim_heap()
         self.async_engine = AsyncEngine(self.engine)
         self._lock = threading.Lock()  # serializes generate / chat / logits (see the class docstring)
+        self._embedder: Embedder | None = None  # built by the first embed call
+        self._embedder_lock = threading.Lock()  # builds it once
 
     def _use_weight_cache(self, root: Path) -> None:
         """Point this load at the cache entry of the GGUF (writing it on a
@@ -234,6 +244,72 @@ class LLM:
         ids = [int(t) for t in token_ids]
         with self._lock:
             return self.engine.logits(ids)
+
+    # -- embeddings
+
+    def embed(self, inputs: str | Seq[str] | Seq[int] | Seq[Seq[int]], pooling: str = "mean",
+              normalize: bool = True) -> np.ndarray:
+        """Embeddings: float32 [n_texts, hidden], one row per text in order.
+
+        A text's embedding is the model's final hidden states (after the final
+        RMSNorm) pooled over its tokens: "mean" (default) or "last" (the last
+        token's state); L2-normalized unless normalize=False. `inputs`: a str,
+        a list of str, one token-id list, or a list of token-id lists. Text is
+        tokenized as HF does for embedding models (special tokens added: BOS
+        where the tokenizer adds one). A batch gives the same bits as its
+        texts one by one. Bad input raises RequestError before anything runs."""
+        return self.embed_with_counts(inputs, pooling, normalize).vectors
+
+    def embed_with_counts(self, inputs: str | Seq[str] | Seq[int] | Seq[Seq[int]], pooling: str = "mean",
+                          normalize: bool = True) -> Embeddings:
+        """`embed` with each text's token count: Embeddings(vectors, token_counts),
+        whose prompt_tokens (the sum) is a server's usage.prompt_tokens."""
+        if pooling not in POOLINGS:  # before tokenizing: a typo costs nothing
+            raise RequestError(f"pooling={pooling!r}: use one of {', '.join(POOLINGS)}")
+        if not isinstance(normalize, (bool, np.bool_)):
+            raise RequestError(f"normalize={normalize!r}: must be True or False")
+        texts = self._embed_ids(inputs)
+        return self._embedding_program().embed(texts, pooling, bool(normalize))
+
+    def _embed_ids(self, inputs) -> list[list[int]]:
+        """The token-id lists of embed's `inputs`; RequestError naming the
+        input at fault for anything else (never a TypeError from inside)."""
+        def token(t, i: int) -> int:
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+                raise RequestError(f"input {i}: token ids must be integers, got {type(t).__name__}")
+            return int(t)
+
+        if isinstance(inputs, str):
+            inputs = [inputs]
+        elif isinstance(inputs, np.ndarray):
+            inputs = inputs.tolist()
+        if not isinstance(inputs, (list, tuple)):
+            raise RequestError(f"embed inputs must be a str, a list of str, a list of token ids or a list "
+                               f"of token-id lists, got {type(inputs).__name__}")
+        if len(inputs) == 0:
+            raise RequestError("no inputs: give at least one text")
+        if all(isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in inputs):
+            inputs = [inputs]  # one text as token ids
+        texts = []
+        for i, x in enumerate(inputs):
+            if isinstance(x, str):
+                if not x:
+                    raise RequestError(f"input {i} is an empty string")
+                texts.append(self.tokenizer.encode(x))
+            elif isinstance(x, (list, tuple, np.ndarray)):
+                texts.append([token(t, i) for t in (x.tolist() if isinstance(x, np.ndarray) else x)])
+            else:
+                raise RequestError(f"input {i}: expected a str or a list of token ids, got {type(x).__name__}")
+        return texts
+
+    def _embedding_program(self) -> Embedder:
+        """The embedding Program, built on first use (it shares the
+        generation Program's weights; its arena and KV pool are its own)."""
+        if self._embedder is None:
+            with self._embedder_lock:
+                if self._embedder is None:
+                    self._embedder = Embedder(self.engine.runner, step_lock=self.engine.lock)
+        return self._embedder
 
 
 def _output(prompt: str | None, seq: Sequence) -> RequestOutput:
