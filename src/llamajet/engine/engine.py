@@ -7,9 +7,12 @@ and a step is schedule -> run -> postprocess:
   and the BlockManager gives them KV slots (prefix hits, copy-on-write,
   preemption when the pool is full);
 - run: the ModelRunner computes them all in one executor call;
-- postprocess: each sequence whose chunk reached its last token samples its
-  next token, checks its stop conditions and queues a StreamEvent; finished
-  sequences free their blocks at once.
+- postprocess: a sequence with prompt_logprobs stores those of the prompt
+  tokens its chunk scored (Sequence.prompt_logprobs); each sequence whose
+  chunk reached its last token samples its next token, checks its stop
+  conditions and queues a StreamEvent (a score-only request, max_tokens=0,
+  queues its closing event instead); finished sequences free their blocks at
+  once.
 
 Requests join between steps (`add_request`); `stream` / `generate` drive the
 loop synchronously, `AsyncEngine` (async_engine.py) from asyncio.
@@ -74,7 +77,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = runner.runtime  # the RuntimeConfig, max_model_len resolved
         self.blocks = BlockManager(runner.num_blocks, runner.block_size, self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs=runner.max_seqs, max_tokens=runner.max_tokens)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs=runner.max_seqs, max_tokens=runner.max_tokens,
+                                   max_rows=runner.max_out)
         self._all_rows = np.arange(runner.max_out, dtype=np.int32)
         self._inbox: deque[tuple[str, Sequence]] = deque()  # from other threads, see post()
         self.lock = threading.Lock()  # see the module docstring
@@ -88,14 +92,15 @@ class Engine:
 
     # ------------------------------------------------------------ admission
 
-    def check_prompt(self, ids: list[int]) -> None:
+    def check_prompt(self, ids: list[int], score_only: bool = False) -> None:
+        """score_only: no new token follows, so the prompt may fill the context."""
         if len(ids) == 0:
             raise RequestError("empty prompt: give at least one token")
         vocab = self.runner.config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-        if len(ids) >= self.max_model_len:
+        if len(ids) > self.max_model_len or (len(ids) == self.max_model_len and not score_only):
             raise RequestError(
                 f"prompt has {len(ids)} tokens but the context holds {self.max_model_len} "
                 f"(prompt + at least one new token); shorten it or raise max_model_len")
@@ -104,7 +109,7 @@ class Engine:
         """Refuses, before anything runs, a request that could never be
         served: bad prompt, or longer at its longest than the whole KV pool
         (it would preempt itself forever)."""
-        self.check_prompt(ids)
+        self.check_prompt(ids, params.score_only)
         if params.n > self.scheduler.max_num_seqs:
             raise RequestError(f"n={params.n} choices but the engine runs at most "
                                f"{self.scheduler.max_num_seqs} sequences at once (max_num_seqs)")
@@ -186,21 +191,27 @@ class Engine:
         st = self.stats
         st.steps += 1
         st.tokens += out.num_tokens
-        # Plain greedy rows (nothing changes the logits: the sampler's own rule
-        # is this argmax, first index on ties) from the step's argmax op
-        # (runner.greedy_ids).
-        plain = [s.seq.params.plain_greedy and s.seq.constraint is None and not s.seq.forks
-                 for s in out.scheduled if s.logits]
-        argmax = self.runner.greedy_ids(len(plain)) if any(plain) else None
-        touched, row = [], 0
-        for s in out.scheduled:
+        # Plain greedy sampling rows (nothing changes the logits: the
+        # sampler's own rule is this argmax, first index on ties) from the
+        # step's argmax op (runner.greedy_ids).
+        plain = [s.logits and s.seq.params.plain_greedy and s.seq.constraint is None and not s.seq.forks
+                 for s in out.scheduled]
+        argmax = self.runner.greedy_ids(len(logits)) if any(plain) else None
+        touched, row = [], 0  # rows come per sequence: its scored positions', then its sampling row
+        for s, greedy in zip(out.scheduled, plain):
             seq = s.seq
             seq.num_computed = s.start + s.num_tokens
+            seq.num_tokens_run += s.num_tokens
             self.blocks.cache_blocks(seq)
+            if s.scored:
+                self._score_prompt(seq, s.scored, logits[row : row + len(s.scored)])
+                row += len(s.scored)
             if s.logits:
-                self._append(seq, logits[row], int(argmax[row]) if plain[row] else None, touched)
+                self._append(seq, logits[row], int(argmax[row]) if greedy else None, touched)
                 row += 1
                 touched.append(seq)
+            elif seq.params.score_only and seq.num_computed == seq.num_tokens:
+                self._end_scoring(seq, touched)
         for seq in self.scheduler.running:  # KV use vs tokens held, after this step
             st.kv_slots_used += len(seq.block_table) * self.blocks.block_size
             st.kv_tokens_held += seq.num_computed
@@ -219,6 +230,7 @@ class Engine:
             child.num_cached_tokens = seq.num_cached_tokens
             child.arrival_time = seq.arrival_time
             child.admit_time = seq.admit_time
+            child.prompt_logprobs = seq.prompt_logprobs  # the same prompt: scored once, by seq
             self.scheduler.running.append(child)
             self._append(child, logits)
             if touched is not None:
@@ -256,6 +268,29 @@ class Engine:
         seq.events.append(ev)
         if ev.finish_reason is not None:  # length, or a stop string completed, or the grammar's end
             self._finish(seq, ev.finish_reason)
+
+    def _score_prompt(self, seq: Sequence, scored: range, rows: np.ndarray) -> None:
+        """Stores the prompt logprobs that `rows` (those of positions
+        `scored`) give: row q scores prompt token q + 1."""
+        pl, ids, k = seq.prompt_logprobs, seq.token_ids, seq.params.prompt_logprobs
+        # NOTE: positions are scored once each, in order (Scheduler._chunk asks
+        # only for rows from seq.scoring_from on)
+        assert len(pl) == scored.start + 1, (len(pl), scored)
+        for q, x in zip(scored, rows):
+            ls = log_softmax(x)
+            pl.append((float(ls[ids[q + 1]]), top_logprobs(ls, k)))
+
+    def _end_scoring(self, seq: Sequence, touched: list[Sequence]) -> None:
+        """A score-only request's prompt is computed: each choice gets one
+        closing event (no token) and the request ends."""
+        forks, seq.forks = seq.forks, []
+        for s in [seq, *forks]:
+            if s.finished:  # a choice aborted before it started
+                continue
+            s.prompt_logprobs = seq.prompt_logprobs
+            s.events.append(StreamEvent(None, "", "length", s.index))
+            self._finish(s, "length")
+            touched.append(s)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)

@@ -111,7 +111,8 @@ class ModelRunner:
         self.max_model_len = cfg.max_model_len
         self.max_tokens = cfg.step_tokens
         self.max_seqs = cfg.step_seqs
-        # every sequence of a step may want its logits row; scoring takes 64 rows at a time
+        # every sequence of a step may want its logits row; scoring (Engine.logits, and the
+        # prompt chunks of prompt_logprobs requests) takes up to 64 rows a step
         self.max_out = min(max(64, self.max_seqs), self.max_tokens)
         self.block_size = cfg.block_size
         self.kv_dtype = cfg.kv_dtype
@@ -207,8 +208,9 @@ class ModelRunner:
 
     def run(self, scheduled, copies: list[tuple[int, int]] = ()) -> np.ndarray:
         """Does the block copies, then computes every ScheduledSeq in one step.
-        Returns logits [n, vocab] (a view, valid until the next step), one row
-        per ScheduledSeq with .logits set, in schedule order."""
+        Returns logits [n, vocab] (a view, valid until the next step): per
+        ScheduledSeq in schedule order, the rows of its `scored` positions,
+        then its sampling row when .logits is set."""
         self.copy_blocks(copies)
         return self.execute(self.prepare(scheduled))
 
@@ -233,6 +235,9 @@ class ModelRunner:
                 positions.extend(pos.tolist())
                 slots.extend(kv_slot(table, pos, bs).tolist())
                 seq_of.extend([i] * n)
+            if s.scored:  # the batch index of position p is base + p
+                base = len(tokens) - n - start
+                out_rows.extend(range(base + s.scored.start, base + s.scored.stop))
             if s.logits:
                 out_rows.append(len(tokens) - 1)
         i32 = ops.i32

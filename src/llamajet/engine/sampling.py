@@ -10,7 +10,11 @@ n > 1 request draws from the generator seeded with (seed, i)).
 Log-probabilities (`logprobs`) are those of the model's own distribution: the
 log-softmax of the raw logits, before bias, mask, penalties and temperature
 (as vLLM reports them by default), so they say what the model thought, not
-what the sampler did with it.
+what the sampler did with it. `prompt_logprobs` are the same numbers for the
+prompt's own tokens (token p under the row of position p - 1), made from the
+logits rows of the prompt's prefill (engine/scheduler.py asks for every row
+of such a prompt), as vLLM's `prompt_logprobs`; with them `max_tokens=0` is a
+score-only request: it ends after its prefill and draws nothing.
 
 A `Constraint` (structured output) is an object the engine asks for the
 allowed tokens before each draw and tells the drawn token after; the engine
@@ -29,7 +33,7 @@ from llamajet.errors import RequestError
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 128          # new tokens at most
+    max_tokens: int = 128          # new tokens at most (0: score the prompt only, with prompt_logprobs)
     temperature: float = 1.0       # 0 = greedy
     top_k: int = 0                 # 0 = off
     top_p: float = 1.0             # nucleus mass; 1 = off
@@ -44,6 +48,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit); a dict is accepted
     logprobs: int | None = None    # None: none; k >= 0: the chosen token's and the k most likely tokens'
     n: int = 1                     # choices from one prompt (computed once, KV blocks shared)
+    prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's and the k most likely tokens'
 
     # Bounds on one request (a server refuses more with a 400).
     MAX_N = 16
@@ -54,8 +59,14 @@ class SamplingParams:
         def bad(field: str, why: str):
             raise RequestError(f"SamplingParams.{field}={getattr(self, field)!r}: {why}")
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            bad("max_tokens", "must be an integer >= 1")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or
+                                                 not 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS):
+            bad("prompt_logprobs", f"must be an integer in [0, {self.MAX_LOGPROBS}] or None")
+        if self.prompt_logprobs is None:
+            if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+                bad("max_tokens", "must be an integer >= 1 (0 only with prompt_logprobs: score the prompt)")
+        elif not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            bad("max_tokens", "must be an integer >= 0")
         if not (self.temperature >= 0.0) or not np.isfinite(self.temperature):
             bad("temperature", "must be a finite number >= 0")
         if not isinstance(self.top_k, int) or self.top_k < 0:
@@ -99,6 +110,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def score_only(self) -> bool:
+        """Prompt logprobs and no new token (max_tokens=0)."""
+        return self.max_tokens == 0
 
     @property
     def plain_greedy(self) -> bool:

@@ -14,6 +14,16 @@ their known tokens. Each step,
    the budget, the sequence limit and the pool allow; the first that does
    not fit stops admission, so no request is starved by later smaller ones.
 
+A step also returns at most `max_rows` logits rows (the runner's max_out):
+one per sequence whose chunk reaches its last token (it samples), and, for a
+sequence with prompt_logprobs, one per prompt position its chunk computes
+(row q scores prompt token q + 1). Such a chunk is cut where the step's rows
+run out, and such a sequence takes nothing from the prefix cache for the
+positions whose rows it still needs (a cache hit computes no logits).
+NOTE: each running sequence keeps a row for every running sequence after it
+(max_rows >= max_num_seqs), so every running sequence can have its sampling
+row in every step, however many rows the scoring chunks take.
+
 NOTE: the oldest running sequence can always proceed: admission
 (Engine.add_request) refuses any request whose longest possible length does
 not fit the whole pool, and every other running sequence can be preempted to
@@ -35,7 +45,14 @@ class ScheduledSeq:
     seq: Sequence
     start: int        # first position computed this step (= seq.num_computed)
     num_tokens: int   # tokens computed this step: positions start .. start + num_tokens - 1
-    logits: bool      # the chunk reaches the last known token: sample the next one
+    logits: bool      # the chunk reaches the last known token: sample the next one (never when score-only)
+    scored: range = range(0)  # positions whose rows score the prompt token after them (prompt_logprobs)
+
+    @property
+    def num_rows(self) -> int:
+        """Logits rows the step returns for it: the scored positions' in
+        order, then the sampling row."""
+        return len(self.scored) + self.logits
 
 
 @dataclass
@@ -48,12 +65,20 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.scheduled)
 
+    @property
+    def num_rows(self) -> int:
+        return sum(s.num_rows for s in self.scheduled)
+
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_tokens: int) -> None:
+    def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_tokens: int, max_rows: int) -> None:
+        if max_rows < max_num_seqs:
+            raise ValueError(f"max_rows={max_rows} < max_num_seqs={max_num_seqs}: a step must have a logits "
+                             "row for each sequence")
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_tokens = max_tokens  # token budget of one step
+        self.max_rows = max_rows      # logits rows one step returns at most
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last is the newest
         self.num_preemptions = 0
@@ -77,12 +102,17 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_tokens
+        budget, rows = self.max_tokens, self.max_rows
         # 1. running sequences, oldest first
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            # one row kept for each later running sequence: a scoring chunk
+            # never holds back another sequence's next token
+            later = len(self.running) - i - 1
+            chunk = self._chunk(seq, seq.num_computed, min(seq.num_tokens - seq.num_computed, budget), rows - later)
+            n = chunk.num_tokens
+            assert n > 0, "rows - later >= 1 (see the NOTE on rows)"
             while not self.blocks.allocate_slots(seq, seq.num_computed, seq.num_computed + n):
                 victim = self.running.pop()  # the newest; never one scheduled already (index > i)
                 self._preempt(victim)
@@ -90,9 +120,9 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                out.scheduled.append(ScheduledSeq(seq, seq.num_computed, n,
-                                                  seq.num_computed + n == seq.num_tokens))
+                out.scheduled.append(chunk)
                 budget -= n
+                rows -= chunk.num_rows
                 i += 1
                 continue
             break  # seq preempted itself: it was the newest, nothing after it
@@ -103,12 +133,18 @@ class Scheduler:
         while (self.waiting and budget > 0 and not out.preempted
                and reserved + 1 + len(self.waiting[0].forks) <= self.max_num_seqs):
             seq = self.waiting[0]
-            hits = self.blocks.match_prefix(seq) if seq.num_computed == 0 else []
+            # Cached blocks may cover only positions whose rows no prompt
+            # logprob needs any more: none at all for a new scoring request.
+            need = seq.scoring_from
+            hits = self.blocks.match_prefix(seq) if seq.num_computed == 0 and need != 0 else []
+            if need is not None:
+                hits = hits[: need // self.blocks.block_size]
             # At least the last token is computed (its logits give the next
             # token); when every block hit, it is rewritten into a copy.
             start = min(len(hits) * self.blocks.block_size, seq.num_tokens - 1)
-            n = min(seq.num_tokens - start, budget)
-            if not self.blocks.allocate_slots(seq, start, start + n, hits):
+            chunk = self._chunk(seq, start, min(seq.num_tokens - start, budget), rows)
+            n = chunk.num_tokens
+            if n == 0 or not self.blocks.allocate_slots(seq, start, start + n, hits):
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
@@ -119,10 +155,29 @@ class Scheduler:
                 seq.num_cached_tokens = start
             self.running.append(seq)
             reserved += 1 + len(seq.forks)
-            out.scheduled.append(ScheduledSeq(seq, start, n, start + n == seq.num_tokens))
+            out.scheduled.append(chunk)
             budget -= n
+            rows -= chunk.num_rows
         out.copies = self.blocks.take_copies()
         return out
+
+    @staticmethod
+    def _chunk(seq: Sequence, start: int, n: int, rows: int) -> ScheduledSeq:
+        """seq's chunk of at most n tokens from `start`, cut so that it takes
+        at most `rows` logits rows (num_tokens 0: none fits)."""
+        end, scored = start + n, range(0)
+        first = seq.scoring_from
+        if first is not None:
+            # each position of [lo, num_prompt - 1) takes a row; earlier ones were scored already
+            lo, stop = max(start, first), seq.num_prompt - 1
+            if lo + rows < stop:
+                end = min(end, lo + rows)
+            scored = range(lo, max(lo, min(end, stop)))
+            rows -= len(scored)
+        sample = end == seq.num_tokens and not seq.params.score_only
+        if sample and rows < 1:  # the last token waits for a step with a row left
+            end, sample = end - 1, False
+        return ScheduledSeq(seq, start, end - start, sample, scored)
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free(seq)

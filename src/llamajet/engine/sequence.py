@@ -30,7 +30,7 @@ class Status(enum.Enum):
 
 @dataclass(frozen=True)
 class StreamEvent:
-    token_id: int | None   # the new token (None on the final event of a stop token)
+    token_id: int | None   # the new token (None on the closing event of a stop token or a score-only request)
     text: str              # newly completed text (never half a UTF-8 character)
     finish_reason: str | None = None
     index: int = 0         # which choice of an n > 1 request
@@ -70,6 +70,13 @@ class Sequence:
         self.num_cached_blocks = 0           # leading full blocks already offered to the prefix cache
         self.num_cached_tokens = 0           # prompt tokens served from the prefix cache at admission
         self.num_preemptions = 0
+        self.num_tokens_run = 0              # tokens computed for it, summed over steps (recomputes count again)
+        # With params.prompt_logprobs: entry p is None for p = 0, else (logprob
+        # of prompt token p under the row of position p - 1, top-k ((id,
+        # logprob), most likely first)), appended as prefill chunks complete.
+        # NOTE: entries are never recomputed (a preempted sequence keeps them),
+        # so the list only grows, and it is whole before the first event.
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         # Output not yet read (the sync/async streams drain it).
         self.events: deque[StreamEvent] = deque()
         # Timing (perf_counter seconds).
@@ -93,6 +100,15 @@ class Sequence:
     @property
     def num_output(self) -> int:
         return len(self.token_ids) - self.num_prompt
+
+    @property
+    def scoring_from(self) -> int | None:
+        """The first position whose logits row a prompt logprob still needs
+        (row q scores prompt token q + 1), or None when none does."""
+        pl = self.prompt_logprobs
+        if pl is None or len(pl) >= self.num_prompt:
+            return None
+        return len(pl) - 1
 
     @property
     def finished(self) -> bool:
