@@ -36,12 +36,13 @@ from starlette.routing import Match
 from llamajet.engine.sampling import SamplingParams
 from llamajet.server.errors import ApiError, error_body, install_handlers, render
 from llamajet.server.grammar import Grammars
-from llamajet.server.routes import basic, openai_chat, openai_completions
+from llamajet.server.routes import anthropic, basic, embeddings, openai_chat, openai_completions, responses
 from llamajet.server.state import ServerSettings, ServerState
 
 __all__ = ["ApiError", "ServerSettings", "ServerState", "create_app", "error_body"]
 
-ROUTERS = (basic.router, openai_chat.router, openai_completions.router)
+ROUTERS = (basic.router, openai_chat.router, openai_completions.router, responses.router, anthropic.router,
+           embeddings.router)
 
 
 def create_app(settings: ServerSettings, load: Callable[[], Any] | Any) -> FastAPI:
@@ -129,10 +130,13 @@ class Guard:
             if path.startswith(PROTECTED):
                 headers = dict(scope["headers"])
                 if settings.api_key is not None:
+                    # OpenAI's clients send Authorization: Bearer, Anthropic's x-api-key; either is enough
                     auth = headers.get(b"authorization", b"").decode("latin-1")
-                    if auth != f"Bearer {settings.api_key}":
-                        return await reply(ApiError(401, "missing or wrong API key (Authorization: Bearer <key>)",
-                                                    "authentication_error", code="invalid_api_key"))
+                    xkey = headers.get(b"x-api-key", b"").decode("latin-1")
+                    if auth != f"Bearer {settings.api_key}" and xkey != settings.api_key:
+                        return await reply(ApiError(401, "missing or wrong API key (Authorization: Bearer <key>, "
+                                                    "or x-api-key: <key>)", "authentication_error",
+                                                    code="invalid_api_key"))
                 length = headers.get(b"content-length")
                 limit = settings.max_body_bytes
                 if length is not None and length.isdigit() and int(length) > limit:
