@@ -192,6 +192,50 @@ def test_logprobs_vs_transformers(stories, stories_hf):
     np.testing.assert_allclose(got, lp.token_logprobs, atol=1e-9)
 
 
+def test_completions_echo_returns_the_prompts_own_logprobs(smol):
+    """vLLM's shape: the prompt's tokens first (the first logprob null), their
+    top alternatives with the prompt's token among them, then the generated
+    ones; max_tokens 0 scores only; batches and token-id prompts."""
+    llm = smol.llm
+    ids = llm.tokenizer.encode("The cat sat on the mat and looked at the")
+    ls = llm.logits(ids).astype(np.float64)
+    ls = ls - ls.max(1, keepdims=True)
+    ls = ls - np.log(np.exp(ls).sum(1, keepdims=True))
+    u = smol.url + "/v1/completions"
+    body = {"model": M, "prompt": [ids, ids[:4]], "echo": True, "logprobs": 2, "max_tokens": 0}
+    r = httpx.post(u, json=body).json()
+    first, second = r["choices"]
+    lp = first["logprobs"]
+    assert first["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 0
+    assert r["usage"]["prompt_tokens"] == len(ids) + 4
+    assert len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    for p in range(1, len(ids)):
+        assert abs(lp["token_logprobs"][p] - ls[p - 1, ids[p]]) <= 1e-4
+        top = lp["top_logprobs"][p]
+        assert lp["tokens"][p] in top and 2 <= len(top) <= 3  # the top 2, and the prompt's own token
+        assert max(top.values()) == pytest.approx(ls[p - 1].max(), abs=1e-4)
+    assert second["logprobs"]["token_logprobs"][1:] == lp["token_logprobs"][1:4]  # batch-invariant rows
+    assert first["text"] == llm.tokenizer.decode(ids, skip_special_tokens=False)
+    # echo with generation: the prompt's entries, then the generated token's
+    r = smol.client().completions.create(model=M, prompt="The cat sat on the", echo=True, logprobs=1,
+                                         max_tokens=2, temperature=0)
+    c = r.choices[0]
+    n = len(llm.tokenizer.encode("The cat sat on the"))
+    assert c.text.startswith("The cat sat on the") and len(c.logprobs.tokens) == n + 2
+    assert c.logprobs.token_logprobs[0] is None and all(x is not None for x in c.logprobs.token_logprobs[1:])
+    assert c.logprobs.text_offset == sorted(c.logprobs.text_offset)
+    # streamed: the echo comes first, then one chunk per token
+    chunks = list(smol.client().completions.create(model=M, prompt="The cat sat on the", echo=True, logprobs=0,
+                                                   max_tokens=3, temperature=0, stream=True))
+    assert chunks[0].choices[0].text == "The cat sat on the"
+    whole = smol.client().completions.create(model=M, prompt="The cat sat on the", echo=True, max_tokens=3,
+                                             temperature=0).choices[0].text
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == whole
+    # scoring needs echo; prompt_logprobs are never taken from the prefix cache (it computes no logits)
+    _err(httpx.post(u, json={"model": M, "prompt": "x", "max_tokens": 0}), 400, "max_tokens")
+    assert _wait(lambda: _idle(smol))
+
+
 def test_chat_logprobs(smol):
     r = smol.client().chat.completions.create(model=M, messages=[{"role": "user", "content": "Hi"}],
                                               max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
@@ -309,9 +353,6 @@ def test_bad_requests_get_openai_shaped_400s(smol):
                              "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": big}}}),
          400, "response_format")
     _err(httpx.post(smol.url + "/v1/completions", json={"model": M, "prompt": "x", "best_of": 3}), 400, "best_of")
-    e = _err(httpx.post(smol.url + "/v1/completions", json={"model": M, "prompt": "x", "echo": True,
-                                                             "logprobs": 1, "max_tokens": 1}), 400, "echo")
-    assert "echo" in e["message"]  # refused by name, never a 200 with the generated token's logprob only
     e = _err(httpx.post(u, json={"model": "gpt-4", "messages": msgs}), 404, "model")
     assert "gpt-4" in e["message"]
     assert _wait(lambda: _idle(smol))

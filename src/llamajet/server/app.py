@@ -86,7 +86,7 @@ class _BodyTooLarge(Exception):
     pass
 
 
-PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")
 
 
 class Guard:

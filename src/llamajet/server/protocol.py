@@ -169,6 +169,7 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: score the prompt only (with echo)
     logprobs: int | None = Field(default=None, ge=0, le=SamplingParams.MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None

@@ -46,7 +46,7 @@ def sampling_params(llm, n_prompt: int, max_tokens: int | None, *, prompt_param:
         raise ApiError(400, f"prompt has {n_prompt} tokens and {max_tokens_param} is {max_tokens}: "
                        f"{n_prompt + max_tokens} exceeds the context of {ctx} tokens", param=max_tokens_param,
                        code="context_length_exceeded")
-    if n_prompt >= ctx:
+    if n_prompt >= ctx and max_tokens != 0:  # (a prompt scored only may fill the context)
         raise ApiError(400, f"prompt has {n_prompt} tokens but the context holds {ctx} (prompt + at least "
                        "one new token)", param=prompt_param, code="context_length_exceeded")
     vocab = llm.config.vocab_size
@@ -66,10 +66,12 @@ def sampling_params(llm, n_prompt: int, max_tokens: int | None, *, prompt_param:
         raise ApiError(400, str(e))
 
 
-def openai_sampling(req, n_prompt: int, max_tokens: int | None, logprobs: int | None, llm) -> SamplingParams:
+def openai_sampling(req, n_prompt: int, max_tokens: int | None, logprobs: int | None, llm,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """The sampling fields chat and completions share (protocol._Sampling)."""
     return sampling_params(
         llm, n_prompt, max_tokens, prompt_param="messages" if hasattr(req, "messages") else "prompt",
+        prompt_logprobs=prompt_logprobs,
         logit_bias=req.logit_bias, stop_token_ids=req.stop_token_ids,
         temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p, min_p=req.min_p,
         repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
@@ -182,6 +184,12 @@ class Run:
     @property
     def prompt_tokens(self) -> int:
         return sum(len(j.ids) for j in self.jobs)
+
+    def prompt_logprobs(self, k: int) -> list | None:
+        """Job k's prompt logprobs (engine: Sequence.prompt_logprobs; entry 0
+        None, then (logprob, top)), once its prefill is done."""
+        info = self._infos[k]
+        return info["group"][0].prompt_logprobs if "group" in info else None
 
     @property
     def cached_tokens(self) -> int:

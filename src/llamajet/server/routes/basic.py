@@ -45,6 +45,23 @@ async def models(llm: ReadyLLM, state: State):
                                         "owned_by": "llamajet", "max_model_len": llm.max_model_len}]}
 
 
+@router.get("/tokenizer_info")
+async def tokenizer_info(llm: ReadyLLM):
+    """vLLM's tokenizer description, which lm-evaluation-harness's remote
+    tokenizer reads (it then tokenizes through /tokenize and /detokenize,
+    so its ids are the server's own)."""
+    tok = llm.tokenizer
+
+    def name(i):
+        t = tok.backend.id_to_token(i) if i is not None else None
+        return t if t is not None and tok.backend.token_to_id(t) == i else None
+
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": name(tok.bos_id),
+            "eos_token": name(tok.eos_id), "pad_token": None, "add_bos_token": tok.add_bos,
+            "chat_template": tok.chat_template, "model_max_length": llm.max_model_len,
+            "vocab_size": tok.vocab_size}
+
+
 @router.post("/tokenize")
 async def tokenize(req: Annotated[TokenizeRequest, Depends(served(TokenizeRequest))], llm: ReadyLLM):
     if (req.prompt is None) == (req.messages is None):

@@ -47,6 +47,41 @@ def prompt_ids(llm, prompt) -> list[list[int]]:
     return encoded
 
 
+def prompt_texts(llm, prompt, encoded: list[list[int]]) -> list[str]:
+    """The text each prompt echoes: a string prompt as sent, token ids decoded."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(x, int) for x in prompt):
+        prompt = [prompt]
+    return [x if isinstance(x, str) else llm.tokenizer.decode(ids, skip_special_tokens=False)
+            for x, ids in zip(prompt, encoded)]
+
+
+def prompt_entries(llm, ids: list[int], scored: list | None) -> dict:
+    """The prompt's part of a completion's logprobs: token texts, logprobs
+    (the first null: nothing precedes it), the top alternatives with the
+    prompt's own token among them (as vLLM does, so a client can tell
+    whether each token was the model's first choice), text offsets."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    off = 0
+    for p, t in enumerate(ids):
+        text = piece(llm, t)[0]
+        entry = scored[p] if scored is not None and p < len(scored) else None
+        out["tokens"].append(text)
+        out["text_offset"].append(off)
+        off += len(text)
+        if entry is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        lp, top = entry
+        alts = {piece(llm, i)[0]: v for i, v in top}
+        alts[text] = lp
+        out["token_logprobs"].append(lp)
+        out["top_logprobs"].append(alts)
+    return out
+
+
 def logprob_entry(llm, tok) -> tuple[str, float | None, dict, int]:
     t, _ = piece(llm, tok.id)
     return t, tok.logprob, {piece(llm, i)[0]: lp for i, lp in tok.top}, tok.offset
@@ -59,12 +94,17 @@ async def completions(request: Request, req: Annotated[CompletionRequest, Depend
     for f in ("suffix", "best_of"):
         if getattr(req, f) not in (None, 1 if f == "best_of" else None):
             raise ApiError(400, f"{f} is not supported", param=f)
-    if req.echo:  # until the prompt's own logprobs are returned, echo would score every prompt 0
-        raise ApiError(400, "echo is not supported yet: llamajet does not return the prompt's logprobs, "
-                       "and without them a scoring client (lm-eval) would read wrong numbers", param="echo")
     encoded = prompt_ids(llm, req.prompt)
     max_tokens = req.max_tokens if req.max_tokens is not None else 16
-    plist = [openai_sampling(req, len(ids), max_tokens, req.logprobs, llm) for ids in encoded]
+    if max_tokens == 0 and not req.echo:
+        raise ApiError(400, "max_tokens 0 scores the prompt only: it needs echo: true (and logprobs for the "
+                       "scores)", param="max_tokens")
+    # echo with logprobs (lm-eval's loglikelihood requests): every prompt token's logprob, from the
+    # prompt's own prefill (engine: SamplingParams.prompt_logprobs); echo with max_tokens 0 scores only
+    prompt_lp = None
+    if req.echo and (req.logprobs is not None or max_tokens == 0):
+        prompt_lp = req.logprobs or 0
+    plist = [openai_sampling(req, len(ids), max_tokens, req.logprobs, llm, prompt_lp) for ids in encoded]
     grammar = None
     if req.response_format is not None and req.response_format.type != "text":
         rf = req.response_format
@@ -81,17 +121,32 @@ async def completions(request: Request, req: Annotated[CompletionRequest, Depend
     base = {"id": rid, "created": int(time.time()), "model": state.settings.model_name,
             "system_fingerprint": state.fingerprint}
     want_lp = req.logprobs is not None
+    texts = prompt_texts(llm, req.prompt, encoded) if req.echo else None
+
+    def echoed(index: int) -> tuple[str, dict | None]:
+        """Choice `index`'s echoed prompt: its text and (with logprobs) its
+        tokens' entries, the first token's logprob null, as vLLM answers."""
+        k = index // run.n
+        return texts[k], (prompt_entries(llm, encoded[k], run.prompt_logprobs(k)) if want_lp else None)
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         extra = {"usage": None} if include_usage else {}
 
         async def body():
+            if req.echo:
+                for i in range(len(run.outputs.choices)):
+                    text, lp = echoed(i)
+                    yield sse({**base, "object": "text_completion",
+                               "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": None}],
+                               **extra})
+            shift = {i: len(echoed(i)[0]) if req.echo else 0 for i in range(len(run.outputs.choices))}
             async for out, tok, ev in run.events():
                 lp = None
                 if want_lp and tok is not None and tok.logprob is not None:
                     t, l, top, off = logprob_entry(llm, tok)
-                    lp = {"tokens": [t], "token_logprobs": [l], "top_logprobs": [top], "text_offset": [off]}
+                    lp = {"tokens": [t], "token_logprobs": [l], "top_logprobs": [top],
+                          "text_offset": [off + shift[out.index]]}
                 if ev.text or lp is not None or ev.finish_reason is not None:
                     yield sse({**base, "object": "text_completion",
                                "choices": [{"index": out.index, "text": ev.text, "logprobs": lp,
@@ -107,11 +162,14 @@ async def completions(request: Request, req: Annotated[CompletionRequest, Depend
         return Response(status_code=499)
     choices = []
     for out in run.outputs.choices:
+        head, head_lp = echoed(out.index) if req.echo else ("", None)
         lps = None
         if want_lp:
             entries = [logprob_entry(llm, t) for t in out.tokens if t.logprob is not None]
             lps = {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
-                   "top_logprobs": [e[2] for e in entries], "text_offset": [e[3] for e in entries]}
-        choices.append({"index": out.index, "text": out.text, "logprobs": lps,
+                   "top_logprobs": [e[2] for e in entries], "text_offset": [e[3] + len(head) for e in entries]}
+            if head_lp is not None:
+                lps = {k: head_lp[k] + lps[k] for k in lps}
+        choices.append({"index": out.index, "text": head + out.text, "logprobs": lps,
                         "finish_reason": out.finish_reason or "abort"})
     return {**base, "object": "text_completion", "choices": choices, "usage": run.usage()}
