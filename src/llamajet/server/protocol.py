@@ -187,3 +187,17 @@ class TokenizeRequest(_Strict):
 class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: list[int]
+
+
+MAX_EMBED_INPUTS = 2048       # texts in one /v1/embeddings request (OpenAI's limit)
+
+
+class EmbeddingRequest(_Strict):
+    model: str | None = None
+    input: Union[str, list[str], list[int], list[list[int]]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
+    # llamajet's own (vLLM names them the same way in its pooling params)
+    pooling: Literal["mean", "last"] = "mean"
+    normalize: bool = True
