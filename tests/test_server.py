@@ -421,10 +421,18 @@ def test_api_key_guards_v1_but_not_health(stories_hf):
 
 
 def test_full_queue_is_429_with_retry_after(stories_hf):
-    # The first request must still be running when the third arrives: 500 tokens (closing its stream
-    # below ends it); 200 once finished first on a quiet machine, and the third was admitted.
+    # The first request must still be running when the third arrives: 500 tokens of slowed steps
+    # (closing its stream below ends it); unslowed, it once finished first and the third was admitted.
     srv = LiveServer(LLM(stories_hf, max_model_len=512, max_num_seqs=1), max_queued_requests=2)
     long = {"model": M, "prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True, "stream": True}
+    eng = srv.llm.engine
+    step = eng.step
+
+    def slow_step():  # >= 2.5 s for the first stream's 500 steps, however busy or quiet the machine
+        time.sleep(0.005)
+        return step()
+
+    eng.step = slow_step
     try:
         with httpx.Client(timeout=60) as c1:
             threads = []
@@ -595,6 +603,34 @@ def test_sigterm_drains_in_flight_streams_and_exits_0(smollm2_gguf):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_the_log_has_a_banner_access_lines_and_the_drain(smollm2_gguf):
+    proc, url = spawn("--max-model-len", "512", "--log-level", "info")
+    try:
+        body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 5, "ignore_eos": True}
+        usage = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()["usage"]
+        with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+            list(r.iter_lines())
+        httpx.post(url + "/v1/chat/completions", json={**body, "temperature": 9})
+        httpx.get(url + "/metrics")  # scrapes and probes are not logged
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        log = proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    banner = next(ln for ln in log.splitlines() if "serving 'SmolLM2-135M-Instruct'" in ln)
+    for part in ("llama", "weights ", "context 512 tokens", "usable cores", "isa ", "KV pool ", "tokens ("):
+        assert part in banner, (part, banner)
+    access = [ln for ln in log.splitlines() if " /v1/chat/completions " in ln]
+    assert len(access) == 3, log
+    want = f"prompt_tokens={usage['prompt_tokens']} completion_tokens=5"
+    assert want in access[0] and want in access[1] and " 200 " in access[0] and "ttft=0." in access[1]
+    assert " 400 " in access[2] and "completion_tokens=-" in access[2]
+    assert "/metrics" not in log
+    assert "drain: started" in log and "drain: done" in log
 
 
 def test_drain_timeout_ends_streams_with_a_last_chunk(smollm2_gguf):

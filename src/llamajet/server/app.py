@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from contextlib import asynccontextmanager
 from typing import Any, Callable
 
@@ -35,6 +36,7 @@ from starlette.routing import Match
 
 from llamajet.engine.sampling import SamplingParams
 from llamajet.server.errors import ApiError, error_body, install_handlers, render
+from llamajet.server import log
 from llamajet.server.grammar import Grammars
 from llamajet.server.routes import anthropic, basic, embeddings, openai_chat, openai_completions, responses
 from llamajet.server.state import ServerSettings, ServerState
@@ -56,12 +58,14 @@ def create_app(settings: ServerSettings, load: Callable[[], Any] | Any) -> FastA
         st = llm.engine.runner
         state.fingerprint = f"fp_{st.isa}_{llm.runtime.kernels}"
         state.llm = llm
+        log.server_log.info(log.banner(llm, settings.model_name))
 
     def load_in_thread() -> None:
         try:
             install(load())
         except Exception as e:  # stays not ready; /ready says why
             state.load_error = f"{type(e).__name__}: {e}"
+            log.server_log.error("the model failed to load: %s", state.load_error)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -86,6 +90,7 @@ class _BodyTooLarge(Exception):
     pass
 
 
+QUIET = ("/health", "/ready", "/metrics")  # probes and scrapes: seconds apart, forever; not logged
 PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")
 
 
@@ -117,6 +122,9 @@ class Guard:
         settings = self.state.settings
         path = scope["path"]
         status_box = {"status": 500}
+        t0 = time.perf_counter()
+        # routes copy the scope but share this dict: request.state.llamajet_access lands here
+        req_state = scope.setdefault("state", {})
 
         async def send_counted(msg):
             if msg["type"] == "http.response.start":
@@ -160,6 +168,10 @@ class Guard:
             return await self.inner(scope, receive, send_counted)
         finally:
             m = self.state.metrics
-            m.http.labels(self.route_of(scope), str(status_box["status"])).inc()
+            status = status_box["status"]
+            if path not in QUIET:
+                log.access(scope["method"], path, status, time.perf_counter() - t0,
+                           req_state.get("llamajet_access"))
+            m.http.labels(self.route_of(scope), str(status)).inc()
             if path.startswith("/v1/") and status_box["status"] >= 400:
                 m.failure.labels(settings.model_name, str(status_box["status"])).inc()

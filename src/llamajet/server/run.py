@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import uvicorn
 
+from llamajet.server import log as serverlog
 from llamajet.server.app import ServerSettings, create_app
 
 log = logging.getLogger("llamajet.server")
@@ -57,7 +58,8 @@ class _DrainingServer(uvicorn.Server):
         st = self.app_state
         st.draining = True
         timeout = st.settings.drain_timeout
-        log.info("drain: %d requests in flight, waiting up to %.0f s", st.inflight, timeout)
+        log.info("drain: started (SIGTERM or SIGINT): /ready is 503, new requests are refused; %d requests in "
+                 "flight, waiting up to %.0f s", st.inflight, timeout)
         try:
             await asyncio.wait_for(st.idle.wait(), timeout)
         except asyncio.TimeoutError:
@@ -67,11 +69,13 @@ class _DrainingServer(uvicorn.Server):
             except asyncio.TimeoutError:
                 pass
         await asyncio.sleep(0.05)  # let the last responses leave
+        log.info("drain: done, %d requests still in flight; exiting", st.inflight)
         self.should_exit = True
 
 
 def serve(settings: ServerSettings, load: Callable[[], Any], host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "info") -> int:
+    serverlog.setup(log_level)
     app = create_app(settings, load)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                             access_log=False, lifespan="on")

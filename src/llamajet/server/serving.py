@@ -180,6 +180,9 @@ class Run:
         self._gens = [_events(state, llm, base + k, j.ids, j.params, j.constraint, t0, self._infos[k])
                       for k, j in enumerate(jobs)]
         self._firsts: list = []
+        self.first_token_at: float | None = None
+        # the access log line reads these counts when the response has been sent (server/log.py)
+        request.state.llamajet_access = _AccessCounts(self)
 
     @property
     def prompt_tokens(self) -> int:
@@ -221,6 +224,8 @@ class Run:
         """Every event, as it comes, added to its choice's output first."""
         async for k, ev in self._merged():
             choice, tok = self.outputs.add(k * self.n + ev.index, ev)
+            if tok is not None and self.first_token_at is None:
+                self.first_token_at = time.perf_counter()
             yield choice, tok, ev
 
     async def drain(self) -> bool:
@@ -272,6 +277,23 @@ class Run:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.close()
+
+
+class _AccessCounts:
+    """A Run's counts for the access line, read (as a dict's get) when it is written."""
+
+    def __init__(self, run: "Run") -> None:
+        self.run = run
+
+    def get(self, key, default=None):
+        r = self.run
+        if key == "prompt_tokens":
+            return r.prompt_tokens
+        if key == "completion_tokens":
+            return r.outputs.num_generated
+        if key == "ttft":
+            return None if r.first_token_at is None else r.first_token_at - r.t0
+        return default
 
 
 async def _events(state: ServerState, llm, key: int, ids: list[int], params: SamplingParams, constraint,

@@ -10,7 +10,7 @@ import base64
 from typing import Annotated
 
 import numpy as np
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 
 from llamajet.errors import RequestError
 from llamajet.server.deps import Admission, ReadyLLM, State, served
@@ -21,7 +21,7 @@ router = APIRouter()
 
 
 @router.post("/v1/embeddings")
-async def embeddings(req: Annotated[EmbeddingRequest, Depends(served(EmbeddingRequest))], llm: ReadyLLM,
+async def embeddings(request: Request, req: Annotated[EmbeddingRequest, Depends(served(EmbeddingRequest))], llm: ReadyLLM,
                      state: State, admit: Admission):
     inputs = req.input
     many = isinstance(inputs, list) and inputs and not all(isinstance(x, int) for x in inputs)
@@ -44,6 +44,7 @@ async def embeddings(req: Annotated[EmbeddingRequest, Depends(served(EmbeddingRe
         if state.inflight == 0:
             state.idle.set()
     state.metrics.prompt_tokens.labels(state.settings.model_name).inc(out.prompt_tokens)
+    request.state.llamajet_access = {"prompt_tokens": out.prompt_tokens, "completion_tokens": 0}
     data = []
     for i, v in enumerate(out.vectors):
         if req.encoding_format == "base64":  # little-endian float32, as OpenAI's client decodes it
