@@ -19,6 +19,7 @@ from llamajet.engine.async_engine import AsyncEngine
 from llamajet.config import RuntimeConfig
 from llamajet.engine.embedder import POOLINGS, Embedder, Embeddings
 from llamajet.engine.engine import Engine, StreamEvent
+from llamajet.engine.output import ChoiceOutput
 from llamajet.engine.outliers import plan_file as outlier_plan_file
 from llamajet.engine.outliers import load_probe
 from llamajet.engine.outliers import save_plan as save_outlier_plan
@@ -220,13 +221,10 @@ class LLM:
     async def agenerate(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> RequestOutput:
         """One request, awaited; concurrent calls are batched together."""
         text, ids = self._prompt_ids(prompt)
-        parts, toks, reason = [], [], "length"
+        out = ChoiceOutput(0)
         async for ev in self.async_engine.stream(ids, params or SamplingParams()):
-            parts.append(ev.text)
-            if ev.token_id is not None:
-                toks.append(ev.token_id)
-            reason = ev.finish_reason or reason
-        return RequestOutput(text, ids, "".join(parts), toks, reason)
+            out.add(ev)
+        return RequestOutput(text, ids, out.text, out.token_ids, out.finish_reason or "length")
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None,
              add_generation_prompt: bool = True) -> RequestOutput:
@@ -313,15 +311,13 @@ class LLM:
 
 
 def _output(prompt: str | None, seq: Sequence) -> RequestOutput:
-    """A finished sequence's events, joined."""
-    text, toks = [], []
+    """A finished sequence's events, joined (engine/output.py, as the server joins them)."""
+    out = ChoiceOutput(seq.index)
     for ev in seq.events:
-        text.append(ev.text)
-        if ev.token_id is not None:  # None: the closing event of a stop token
-            toks.append(ev.token_id)
+        out.add(ev)
     seq.events.clear()
     end = seq.finish_time or seq.arrival_time
     metrics = RequestMetrics(ttft_s=(seq.first_token_time or end) - seq.arrival_time,
                              total_s=end - seq.arrival_time, cached_tokens=seq.num_cached_tokens,
                              preemptions=seq.num_preemptions)
-    return RequestOutput(prompt, seq.prompt_ids, "".join(text), toks, seq.finish_reason or "length", metrics)
+    return RequestOutput(prompt, seq.prompt_ids, out.text, out.token_ids, seq.finish_reason or "length", metrics)
