@@ -447,14 +447,24 @@ def test_unknown_model_and_empty_input(smol):
 def test_disconnect_mid_stream_frees_the_sequence(smol):
     eng = smol.llm.engine
     before = eng.stats.generated
-    with httpx.Client(timeout=60) as c:
-        with c.stream("POST", smol.url + "/v1/responses",
-                      json={"model": M, "input": "Count from one to a thousand.", "max_output_tokens": 500,
-                            "stream": True}) as r:
-            lines = r.iter_lines()
-            got = [next(lines) for _ in range(16)]
-            assert any(g.startswith("data: ") for g in got)
-            assert smol.metric("llamajet:num_requests_running") == 1
-    assert _wait(lambda: _idle(smol))
+    step = eng.step
+
+    def slow_step():  # the stream must outlast the checks below on a busy machine too
+        time.sleep(0.02)
+        return step()
+
+    eng.step = slow_step
+    try:
+        with httpx.Client(timeout=60) as c:
+            with c.stream("POST", smol.url + "/v1/responses",
+                          json={"model": M, "input": "Count from one to a thousand.", "max_output_tokens": 500,
+                                "stream": True}) as r:
+                lines = r.iter_lines()
+                got = [next(lines) for _ in range(16)]
+                assert any(g.startswith("data: ") for g in got)
+                assert smol.metric("llamajet:num_requests_running") == 1
+        assert _wait(lambda: _idle(smol))
+    finally:
+        del eng.step  # the class's own again
     assert eng.stats.generated - before < 500
     assert smol.llm.engine.scheduler.running == [] and not smol.llm.engine.scheduler.waiting

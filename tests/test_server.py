@@ -373,6 +373,31 @@ def test_unknown_paths_answer_404_in_their_api_family(smol):
     assert 'route="other",status="404"' in httpx.get(smol.url + "/metrics").text
 
 
+def test_an_engine_failure_is_a_500_and_the_connection_stays_usable(stories_hf):
+    srv = LiveServer(LLM(stories_hf, max_model_len=256))
+    runner = srv.llm.engine.runner
+    real = runner.run
+    calls = {"n": 0}
+
+    def failing_once(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected forward failure")
+        return real(*a, **k)
+
+    runner.run = failing_once
+    body = {"model": M, "prompt": "Once upon a time", "max_tokens": 4}
+    try:
+        with httpx.Client(timeout=60) as c:  # one connection for both requests
+            r = c.post(srv.url + "/v1/completions", json=body)
+            assert r.status_code == 500 and "injected forward failure" in r.json()["error"]["message"]
+            r = c.post(srv.url + "/v1/completions", json=body)  # the same connection: not reset
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert _wait(lambda: _idle(srv))
+    finally:
+        srv.close()
+
+
 def test_context_overflow_names_both_numbers(smol):
     ids = [1] * 1000
     r = httpx.post(smol.url + "/v1/completions", json={"model": M, "prompt": ids, "max_tokens": 100})

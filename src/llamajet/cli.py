@@ -204,7 +204,8 @@ def cmd_serve(a) -> int:
         model_name=a.served_model_name or _default_model_name(a.model),
         api_key=a.api_key or os.environ.get("LLAMAJET_API_KEY") or None,
         max_queued_requests=a.max_queued_requests, max_body_bytes=a.max_body_bytes,
-        drain_timeout=a.drain_timeout)
+        drain_timeout=a.drain_timeout, responses_max_count=a.responses_max_count,
+        responses_max_bytes=a.responses_max_mib << 20)
 
     def load():
         from llamajet.api import LLM
@@ -212,6 +213,18 @@ def cmd_serve(a) -> int:
         return LLM(a.model, cfg)
 
     return serve(settings, load, host=a.host, port=a.port, log_level=a.log_level)
+
+
+def _at_least_1(v: str) -> int:
+    import argparse
+
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{v!r} is not an integer")
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n}: must be at least 1")
+    return n
 
 
 def _default_model_name(path: str | None) -> str:
@@ -371,13 +384,18 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--served-model-name", default=None,
                     help="the model name clients send (default: the file or folder name)")
     sv.add_argument("--api-key", default=None,
-                    help="require 'Authorization: Bearer KEY' on /v1 routes (or set LLAMAJET_API_KEY)")
+                    help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on /v1 routes (or set "
+                         "LLAMAJET_API_KEY)")
     sv.add_argument("--max-queued-requests", type=int, default=256,
                     help="requests waiting for admission before new ones get 429 (default: 256)")
     sv.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413 "
                                                                          "(default: 4 MiB)")
     sv.add_argument("--drain-timeout", type=float, default=30.0,
                     help="seconds in-flight requests get after SIGTERM before they are ended (default: 30)")
+    sv.add_argument("--responses-max-count", type=_at_least_1, default=1000,
+                    help="stored /v1/responses kept for previous_response_id (oldest evicted; default: 1000)")
+    sv.add_argument("--responses-max-mib", type=_at_least_1, default=256,
+                    help="... and at most this many MiB of them (default: 256)")
     sv.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     sv.set_defaults(fn=cmd_serve)
     gr = sub.add_parser("graph", help="the step graph after the fusion passes: each node's kernel and arena "

@@ -210,6 +210,8 @@ class Run:
         except RequestError as e:
             await self.close()
             raise ApiError(400, str(e))
+        except Exception as e:
+            raise await self._failed(e)
         if firsts is GONE:
             await self.close()
             return False
@@ -235,7 +237,20 @@ class Run:
                 pass
             return True
 
-        return await collect_or_cancel(self.request, all_()) is not GONE
+        try:
+            return await collect_or_cancel(self.request, all_()) is not GONE
+        except ApiError:
+            raise
+        except Exception as e:
+            raise await self._failed(e)
+
+    async def _failed(self, e: Exception) -> ApiError:
+        """A failure of the engine (a step that raised) as a 500 the error
+        handlers answer like any ApiError: an exception left unhandled makes
+        the server close the connection, and the client's next request on it
+        fails too."""
+        await self.close()
+        return ApiError(500, f"internal error: {type(e).__name__}: {e}", "internal_error")
 
     async def _merged(self) -> AsyncIterator[tuple[int, StreamEvent]]:
         if len(self._gens) == 1:  # no queue hop for the common case

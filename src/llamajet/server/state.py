@@ -19,6 +19,8 @@ class ServerSettings:
     max_body_bytes: int = 4 << 20     # request bodies larger than this get 413
     drain_timeout: float = 30.0       # seconds in-flight requests get after SIGTERM
     retry_after_s: int = 1            # Retry-After on 429
+    responses_max_count: int = 1000   # stored /v1/responses kept in memory (oldest evicted)
+    responses_max_bytes: int = 256 << 20  # ... and their bytes (responses + conversations, as JSON)
 
 
 class ServerState:

@@ -227,20 +227,6 @@ def _aborted(out) -> ApiError:
                     "service_unavailable", code="draining")
 
 
-async def _failsafe(run: Run, step):
-    """`step` (the run's start or drain); a failure of the engine (a step that
-    raised) is a 500 api_error answered by the handlers like any ApiError, so
-    the connection stays usable (an unhandled exception makes the server
-    close it)."""
-    try:
-        return await step
-    except ApiError:
-        raise
-    except Exception as e:
-        await run.close()
-        raise ApiError(500, f"internal error: {type(e).__name__}: {e}", "api_error") from e
-
-
 # ---------------------------------------------------------------- routes
 
 
@@ -257,14 +243,14 @@ async def messages(request: Request, req: Annotated[MessagesRequest, Depends(ser
     run = Run(state, llm, request, [Job(p.ids, params, cons)], t0)
     mid = new_id("msg_")
     headers = {"request-id": new_id("req_")}
-    if not await _failsafe(run, run.start()):
+    if not await run.start():
         return Response(status_code=499)
     single = req.tool_choice is not None and getattr(req.tool_choice, "disable_parallel_tool_use", False)
     forced = p.use_tools and (p.required or p.named is not None)
     base = {"id": mid, "type": "message", "role": "assistant", "model": state.settings.model_name}
 
     if not req.stream:
-        if not await _failsafe(run, run.drain()):  # the client left
+        if not await run.drain():  # the client left
             return Response(status_code=499)
         out = run.outputs.choices[0]
         if out.finish_reason == "abort":

@@ -61,7 +61,9 @@ def response_store(request: Request) -> ResponseStore:
     or the server's setup may put its own there, with other bounds)."""
     st = getattr(request.app.state, "responses_store", None)
     if st is None:
-        st = request.app.state.responses_store = ResponseStore()
+        settings = request.app.state.llamajet.settings
+        st = request.app.state.responses_store = ResponseStore(settings.responses_max_count,
+                                                               settings.responses_max_bytes)
     return st
 
 
