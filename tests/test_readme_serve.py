@@ -21,7 +21,7 @@ def test_readme_curl_examples_work_as_written(smollm2_gguf):
     if shutil.which("curl") is None:
         pytest.skip("curl is not installed")
     text = (ROOT / "README.md").read_text()
-    section = text.split("## Serve (OpenAI-compatible)", 1)[1]
+    section = text.split("## Serve (OpenAI and Anthropic APIs)", 1)[1]
     block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
     port = str(free_port())
     script = "set -e\n" + block.replace("8000", port)
