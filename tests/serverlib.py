@@ -23,7 +23,9 @@ class LiveServer:
         self.settings = ServerSettings(**{"model_name": "test-model", **settings})
         self.app = create_app(self.settings, llm)
         self.state = self.app.state.llamajet
-        sock = socket.socket()
+        # proto IPPROTO_TCP, not socket()'s 0: asyncio sets TCP_NODELAY only on sockets that say TCP, and
+        # without it every response waited ~40 ms (Nagle against the client's delayed ACK)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"

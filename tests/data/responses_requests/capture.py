@@ -88,7 +88,7 @@ def capture() -> dict[str, dict]:
 
     set_tracing_disabled(True)
     captured.clear()
-    sock = socket.socket()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # (TCP_NODELAY: see serverlib)
     sock.bind(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
