@@ -57,6 +57,21 @@ class LiveServer:
         self.thread.join(30)
 
 
+def wait(cond, timeout: float = 30.0) -> bool:
+    """Polls cond() until true (True) or timeout seconds pass (False)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def idle(srv: LiveServer) -> bool:
+    """No request running and no KV block held."""
+    return srv.metric("llamajet:num_requests_running") == 0 and srv.llm.engine.blocks.num_used == 0
+
+
 def free_port() -> int:
     s = socket.socket()
     s.bind(("127.0.0.1", 0))

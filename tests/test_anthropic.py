@@ -23,7 +23,7 @@ from llamajet import LLM
 anthropic = pytest.importorskip("anthropic")
 jsonschema = pytest.importorskip("jsonschema")
 
-from serverlib import LiveServer  # noqa: E402
+from serverlib import LiveServer, idle as _idle, wait as _wait  # noqa: E402
 
 from llamajet.server.routes.anthropic import reply_parts, surely_text  # noqa: E402
 from llamajet.server.serving import ChatPlan  # noqa: E402
@@ -52,19 +52,6 @@ def strict(smollm2_gguf):
 
 def client(srv, key: str = "none", **kw):
     return anthropic.Anthropic(base_url=srv.url, api_key=key, max_retries=0, timeout=120, **kw)
-
-
-def _wait(cond, timeout=30.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
-
-
-def _idle(srv) -> bool:
-    return srv.metric("llamajet:num_requests_running") == 0 and srv.llm.engine.blocks.num_used == 0
 
 
 def _error(e, status: int, kind: str) -> str:

@@ -25,7 +25,7 @@ pytest.importorskip("agents")
 
 from openai.types.responses import Response, ResponseStreamEvent  # noqa: E402
 from pydantic import TypeAdapter  # noqa: E402
-from serverlib import LiveServer  # noqa: E402
+from serverlib import LiveServer, idle as _idle, wait as _wait  # noqa: E402
 
 from llamajet.server.response_store import ResponseStore  # noqa: E402
 
@@ -50,19 +50,6 @@ def smol(smollm2_gguf):
     srv = LiveServer(LLM(smollm2_gguf, max_model_len=1024, max_num_seqs=8))
     yield srv
     srv.close()
-
-
-def _wait(cond, timeout=30.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
-
-
-def _idle(srv) -> bool:
-    return srv.metric("llamajet:num_requests_running") == 0 and srv.llm.engine.blocks.num_used == 0
 
 
 def _err(r: httpx.Response, status: int, param: str | None = "-") -> dict:

@@ -25,7 +25,7 @@ from llamajet import LLM, SamplingParams
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
-from serverlib import LiveServer, spawn  # noqa: E402
+from serverlib import LiveServer, spawn, idle as _idle, wait as _wait  # noqa: E402
 
 M = "test-model"
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,19 +44,6 @@ def stories(stories_hf):
                          enable_prefix_caching=False))
     yield srv
     srv.close()
-
-
-def _wait(cond, timeout=30.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
-
-
-def _idle(srv) -> bool:
-    return srv.metric("llamajet:num_requests_running") == 0 and srv.llm.engine.blocks.num_used == 0
 
 
 # ---------------------------------------------------------------- chat and completions

@@ -16,6 +16,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from llamajet.engine.sampling import SamplingParams
 
 MAX_SCHEMA_BYTES = 64 * 1024  # a json_schema / tool parameters larger than this is refused
+
+
+def bounded_schema(v, what: str = "schema"):
+    """v, or a ValueError when its text is over MAX_SCHEMA_BYTES (every
+    family's schemas: response formats and tool parameters)."""
+    if v is not None and len(repr(v)) > MAX_SCHEMA_BYTES:
+        raise ValueError(f"{what} is larger than {MAX_SCHEMA_BYTES} bytes")
+    return v
 MAX_TOOLS = 64
 MAX_PROMPTS = 64              # prompts in one /v1/completions request
 
@@ -142,8 +150,7 @@ class _Sampling(_Strict):
     @classmethod
     def _schema_size(cls, v):
         if v is not None and v.json_schema is not None and v.json_schema.schema_ is not None:
-            if len(repr(v.json_schema.schema_)) > MAX_SCHEMA_BYTES:
-                raise ValueError(f"json_schema is larger than {MAX_SCHEMA_BYTES} bytes")
+            bounded_schema(v.json_schema.schema_, "json_schema")
         if v is not None and v.type == "json_schema" and (v.json_schema is None or v.json_schema.schema_ is None):
             raise ValueError("type json_schema needs json_schema.schema")
         return v
@@ -162,8 +169,7 @@ class ChatCompletionRequest(_Sampling):
     @classmethod
     def _tool_size(cls, v):
         for t in v or []:
-            if t.function.parameters is not None and len(repr(t.function.parameters)) > MAX_SCHEMA_BYTES:
-                raise ValueError(f"parameters of {t.function.name} are larger than {MAX_SCHEMA_BYTES} bytes")
+            bounded_schema(t.function.parameters, f"parameters of {t.function.name}")
         return v
 
 

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from llamajet.engine.sampling import SamplingParams
-from llamajet.server.protocol import MAX_SCHEMA_BYTES, MAX_TOOLS
+from llamajet.server.protocol import MAX_TOOLS, bounded_schema
 
 BLOCK_TYPES = ("text", "tool_use", "tool_result")
 
@@ -108,9 +108,7 @@ class Tool(_Strict):
     def _schema(cls, v):
         if v.get("type") != "object":
             raise ValueError('input_schema must be a JSON schema of "type": "object"')
-        if len(repr(v)) > MAX_SCHEMA_BYTES:
-            raise ValueError(f"input_schema is larger than {MAX_SCHEMA_BYTES} bytes")
-        return v
+        return bounded_schema(v, "input_schema")
 
     def openai(self) -> dict:
         """The OpenAI function tool dict the serving layer and templates take."""
@@ -165,9 +163,7 @@ class JsonOutputFormat(_Strict):
     @field_validator("schema_")
     @classmethod
     def _size(cls, v):
-        if len(repr(v)) > MAX_SCHEMA_BYTES:
-            raise ValueError(f"schema is larger than {MAX_SCHEMA_BYTES} bytes")
-        return v
+        return bounded_schema(v, "schema")
 
 
 class OutputConfig(_Strict):

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 
 from llamajet.engine.sampling import SamplingParams
-from llamajet.server.protocol import MAX_SCHEMA_BYTES, MAX_TOOLS
+from llamajet.server.protocol import MAX_TOOLS, bounded_schema
 
 MAX_INPUT_ITEMS = 4096
 MAX_METADATA_KEYS = 16
@@ -157,9 +157,7 @@ class FunctionTool(_Strict):
     @field_validator("parameters")
     @classmethod
     def _size(cls, v):
-        if v is not None and len(repr(v)) > MAX_SCHEMA_BYTES:
-            raise ValueError(f"parameters are larger than {MAX_SCHEMA_BYTES} bytes")
-        return v
+        return bounded_schema(v, "parameters")
 
     @field_validator("defer_loading")
     @classmethod
@@ -223,9 +221,7 @@ class FormatJsonSchema(_Strict):
     @field_validator("schema_")
     @classmethod
     def _size(cls, v):
-        if len(repr(v)) > MAX_SCHEMA_BYTES:
-            raise ValueError(f"schema is larger than {MAX_SCHEMA_BYTES} bytes")
-        return v
+        return bounded_schema(v, "schema")
 
 
 class TextConfig(_Strict):
