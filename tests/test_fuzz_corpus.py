@@ -46,6 +46,11 @@ def test_seeds_reach_the_parsers_deep_end():
     r = targets._client().post("/v1/chat/completions", content=(targets.CORPUS / "server" / "chat.bin").read_bytes()[1:])
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] >= 1
+    for name in ("responses.bin", "messages.bin", "count-tokens.bin", "embeddings.bin"):  # each family's route
+        data = (targets.CORPUS / "server" / name).read_bytes()
+        path = targets._ENDPOINTS[data[0] % len(targets._ENDPOINTS)]
+        r = targets._client().post(path, content=targets._cap(data[1:], path))
+        assert r.status_code == 200, (name, r.text)
 
 
 def test_an_unexpected_exception_is_a_finding(monkeypatch):

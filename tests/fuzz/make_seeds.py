@@ -251,7 +251,8 @@ def main() -> None:
     for n, s in hostile.items():
         _put("chat_template", n, s.encode() + b"\0" + b"v")
 
-    # server bodies: byte 0 = endpoint (0 chat, 1 completions, 2 tokenize, 3 detokenize)
+    # server bodies: byte 0 = endpoint (0 chat, 1 completions, 2 tokenize, 3 detokenize, 5 responses,
+    # 6 messages, 7 messages/count_tokens, 8 embeddings: targets._ENDPOINTS)
     chat = {"model": "fuzz", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
     bodies = {
         "chat.bin": (0, chat),
@@ -273,6 +274,22 @@ def main() -> None:
         "tokenize.bin": (2, {"prompt": "Hello there"}),
         "tokenize-chat.bin": (2, {"messages": [{"role": "user", "content": "Hi"}], "add_generation_prompt": True}),
         "detokenize.bin": (3, {"tokens": [1, 100, 200]}),
+        "responses.bin": (5, {"model": "fuzz", "input": "Hi", "instructions": "Be brief.", "max_output_tokens": 3}),
+        "responses-items.bin": (5, {"model": "fuzz", "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+            {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "sunny"}],
+            "tools": [{"type": "function", "name": "get_weather", "parameters": {
+                "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}],
+            "text": {"format": {"type": "json_object"}}, "stream": True}),
+        "messages.bin": (6, {"model": "fuzz", "max_tokens": 3, "system": "Be brief.", "stop_sequences": ["."],
+                             "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}),
+        "messages-tools.bin": (6, {"model": "fuzz", "max_tokens": 3, "stream": True, "tool_choice": {"type": "any"},
+                                   "tools": [{"name": "f", "input_schema": {"type": "object", "properties": {
+                                       "x": {"type": "integer"}}}}],
+                                   "messages": [{"role": "user", "content": "Call f."}]}),
+        "count-tokens.bin": (7, {"model": "fuzz", "messages": [{"role": "user", "content": "Hi"}]}),
+        "embeddings.bin": (8, {"model": "fuzz", "input": ["Hello", "there"], "encoding_format": "base64"}),
     }
     for n, (ep, b) in bodies.items():
         _put("server", n, bytes([ep]) + json.dumps(b).encode())

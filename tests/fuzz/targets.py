@@ -204,7 +204,10 @@ def chat_template(data: bytes) -> None:
 
 # ---------------------------------------------------------------- the server
 
-_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize", "/v1/chat/completions")
+# byte 0 of an input picks the route (modulo the count: append only, so the seeds keep their routes)
+_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize", "/v1/chat/completions",
+              "/v1/responses", "/v1/messages", "/v1/messages/count_tokens", "/v1/embeddings")
+_NO_MAX = ("/v1/messages/count_tokens", "/v1/embeddings")  # routes without a generation length
 _SERVER: dict = {}
 _MAX_NEW = 4  # generation lengths are capped so a valid request stays far below the time limit
 
@@ -227,7 +230,7 @@ def _client():
     return _SERVER["client"]
 
 
-def _cap(body: bytes) -> bytes:
+def _cap(body: bytes, path: str) -> bytes:
     """The body with generation lengths above _MAX_NEW lowered to it (and n to
     at most 2), when it is a JSON object; anything else is sent as is."""
     try:
@@ -236,28 +239,37 @@ def _cap(body: bytes) -> bytes:
         return body
     if not isinstance(obj, dict):
         return body
-    for k in ("max_tokens", "max_completion_tokens"):
+    for k in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         v = obj.get(k)
         if type(v) is int and _MAX_NEW < v <= 1 << 20:
             obj[k] = _MAX_NEW
     if type(obj.get("n")) is int and 2 < obj["n"] <= 1 << 20:
         obj["n"] = 2
-    if "max_tokens" not in obj and "max_completion_tokens" not in obj:
+    if path == "/v1/responses":
+        obj.setdefault("max_output_tokens", _MAX_NEW)
+    elif path not in _NO_MAX and "max_tokens" not in obj and "max_completion_tokens" not in obj:
         obj["max_tokens"] = _MAX_NEW
     return json.dumps(obj).encode()
 
 
 def server_request(data: bytes) -> None:
     """An HTTP request body; byte 0 picks the endpoint. 2xx, or a 4xx with an
-    OpenAI-shaped error: anything else (5xx, a non-JSON error) is a finding."""
+    error in the shape of the route's API (Anthropic's under /v1/messages,
+    OpenAI's elsewhere): anything else (5xx, a non-JSON error) is a finding."""
     if not data:
         return
     path = _ENDPOINTS[data[0] % len(_ENDPOINTS)]
-    body = _cap(data[1:]) if path.startswith("/v1/") else data[1:]
+    body = _cap(data[1:], path) if path.startswith("/v1/") else data[1:]
     r = _client().post(path, content=body, headers={"content-type": "application/json"})
     if r.status_code < 300:
         return
     assert 400 <= r.status_code < 500 and r.status_code != 408, (r.status_code, r.text[:500])
+    if path.startswith("/v1/messages"):
+        out = r.json()
+        assert out["type"] == "error", out
+        err = out["error"]
+        assert isinstance(err["message"], str) and err["message"] and isinstance(err["type"], str), err
+        return
     err = r.json()["error"]
     assert isinstance(err["message"], str) and err["message"], err
     assert isinstance(err["type"], str) and "code" in err and "param" in err, err
