@@ -228,7 +228,8 @@ def _lm_eval_client(a) -> None:
         m0 = metrics(a.url)
         t0 = time.perf_counter()
         out = simple_evaluate(model="local-completions", model_args=args, tasks=[TASK],
-                              task_manager=TaskManager(include_path=a.tasks), log_samples=True, random_seed=0,
+                              task_manager=TaskManager(include_path=a.tasks, include_defaults=False),
+                              log_samples=True, random_seed=0,
                               numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
         total = time.perf_counter() - t0
         m1 = metrics(a.url)

@@ -77,6 +77,13 @@ def tasks(tmp_path_factory):
     return d
 
 
+def _manager(tasks: Path):
+    from lm_eval.tasks import TaskManager
+
+    # only our two tasks: indexing lm-eval's thousands of built-in ones takes ~8 s per manager
+    return TaskManager(include_path=str(tasks), include_defaults=False)
+
+
 def _log_softmax(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64)
     m = x.max(axis=-1, keepdims=True)
@@ -86,14 +93,13 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 def test_local_completions_scores_equal_llm_logits(srv, tasks):
     from lm_eval import simple_evaluate
     from lm_eval.api.registry import get_model
-    from lm_eval.tasks import TaskManager
 
     lm = get_model("local-completions")(base_url=srv.url + "/v1/completions", model=M,
                                          tokenizer_backend="remote", num_concurrent=1, max_retries=1,
                                          tokenized_requests=True)
     eng = srv.llm.engine
     tokens0, generated0 = eng.stats.tokens, eng.stats.generated
-    out = simple_evaluate(model=lm, tasks=["llamajet_cloze"], task_manager=TaskManager(include_path=str(tasks)),
+    out = simple_evaluate(model=lm, tasks=["llamajet_cloze"], task_manager=_manager(tasks),
                           log_samples=True, random_seed=0, numpy_random_seed=0, torch_random_seed=0,
                           fewshot_random_seed=0)
     samples = out["samples"]["llamajet_cloze"]
@@ -125,12 +131,11 @@ def test_local_completions_scores_equal_llm_logits(srv, tasks):
 
 def test_local_chat_completions_generates_what_the_server_generates(srv, tasks):
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
     out = simple_evaluate(model="local-chat-completions",
                           model_args=f"base_url={srv.url}/v1/chat/completions,model={M},num_concurrent=1,"
                                      "max_retries=1",
-                          tasks=["llamajet_say"], task_manager=TaskManager(include_path=str(tasks)),
+                          tasks=["llamajet_say"], task_manager=_manager(tasks),
                           apply_chat_template=True, log_samples=True)
     samples = out["samples"]["llamajet_say"]
     assert len(samples) == 6
