@@ -55,6 +55,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from serve_load import free_port, metrics  # the load test's own (this folder is on sys.path)
+
 TASK = "score_bench_mc"
 SERVED = "m"
 
@@ -173,17 +175,6 @@ def _llama_cpp_worker(a) -> None:
 
 # ---------------------------------------------------------------- lm-eval (its own process)
 
-def metrics(url: str) -> dict[str, float]:
-    import httpx
-
-    out: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            name = line.split("{")[0].split(" ")[0]
-            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
-
-
 def _lm_eval_client(a) -> None:
     """simple_evaluate once per --concurrent value (one process: lm-eval's imports
     are paid once); prints a JSON line per run."""
@@ -248,16 +239,6 @@ def _lm_eval_client(a) -> None:
 
 
 # ---------------------------------------------------------------- the parent
-
-def free_port() -> int:
-    import socket
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
-
 
 class Server:
     """`llamajet serve` in a subprocess (tests/serverlib.py's command line), ready and warmed."""

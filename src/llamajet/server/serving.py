@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -407,10 +408,4 @@ def piece(llm, tok: int) -> tuple[str, list[int]]:
 
 
 def new_id(prefix: str) -> str:
-    import uuid
-
     return prefix + uuid.uuid4().hex
-
-
-def now() -> float:
-    return time.perf_counter()
