@@ -323,36 +323,32 @@ async def _events(state: ServerState, llm, key: int, ids: list[int], params: Sam
         state.groups[key] = group
         info["group"] = group
 
-    state.inflight += 1  # until the last event is handed over (drain waits for these)
-    state.idle.clear()
-    try:
-        async for ev in llm.async_engine.stream(ids, params, constraint, on_open):
-            now = time.perf_counter()
-            if ev.token_id is not None:
-                m.generation_tokens.labels(name).inc()
-                prev = last.get(ev.index)
-                if prev is None:
-                    if not last:
-                        m.ttft.labels(name).observe(now - t0)
-                else:
-                    m.itl.labels(name).observe(now - prev)
-                last[ev.index] = now
-            if ev.finish_reason is not None:
-                m.success.labels(name, ev.finish_reason).inc()
-            yield ev
-    finally:
-        state.inflight -= 1
-        if state.inflight == 0:
-            state.idle.set()
-        state.groups.pop(key, None)
-        if "group" in info:
-            head = info["group"][0]
-            m.prompt_tokens.labels(name).inc(len(ids))
-            m.prefix_queries.labels(name).inc(len(ids))
-            m.prefix_hits.labels(name).inc(head.num_cached_tokens)
-            if head.admit_time is not None:
-                m.queue.labels(name).observe(max(head.admit_time - t0, 0.0))
-            m.e2e.labels(name).observe(time.perf_counter() - t0)
+    with state.in_flight():  # until the last event is handed over
+        try:
+            async for ev in llm.async_engine.stream(ids, params, constraint, on_open):
+                now = time.perf_counter()
+                if ev.token_id is not None:
+                    m.generation_tokens.labels(name).inc()
+                    prev = last.get(ev.index)
+                    if prev is None:
+                        if not last:
+                            m.ttft.labels(name).observe(now - t0)
+                    else:
+                        m.itl.labels(name).observe(now - prev)
+                    last[ev.index] = now
+                if ev.finish_reason is not None:
+                    m.success.labels(name, ev.finish_reason).inc()
+                yield ev
+        finally:
+            state.groups.pop(key, None)
+            if "group" in info:
+                head = info["group"][0]
+                m.prompt_tokens.labels(name).inc(len(ids))
+                m.prefix_queries.labels(name).inc(len(ids))
+                m.prefix_hits.labels(name).inc(head.num_cached_tokens)
+                if head.admit_time is not None:
+                    m.queue.labels(name).observe(max(head.admit_time - t0, 0.0))
+                m.e2e.labels(name).observe(time.perf_counter() - t0)
 
 
 async def _first(gen):

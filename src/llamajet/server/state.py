@@ -4,6 +4,7 @@ flight, the metrics), shared by the app, its dependencies and its routes."""
 from __future__ import annotations
 
 import asyncio
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +31,7 @@ class ServerState:
         self.grammars: Grammars | None = None
         self.load_error: str | None = None
         self.draining = False
-        self.inflight = 0                      # generation requests not yet answered in full
+        self.inflight = 0                      # requests not yet answered in full (in_flight)
         self.groups: dict[int, list] = {}      # request key -> its Sequences (loop thread only)
         self.metrics = Metrics(settings.model_name)
         self.fingerprint = "fp_llamajet"
@@ -40,6 +41,19 @@ class ServerState:
     @property
     def ready(self) -> bool:
         return self.llm is not None and not self.draining
+
+    @contextmanager
+    def in_flight(self):
+        """Counts a request as in flight while the block runs (a drain waits
+        until none is)."""
+        self.inflight += 1
+        self.idle.clear()
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+            if self.inflight == 0:
+                self.idle.set()
 
     def counts(self) -> tuple[int, int]:
         """(running, waiting) requests: admitted to the batch or not yet."""

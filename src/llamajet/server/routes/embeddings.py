@@ -24,8 +24,8 @@ router = APIRouter()
 async def embeddings(request: Request, req: Annotated[EmbeddingRequest, Depends(served(EmbeddingRequest))], llm: ReadyLLM,
                      state: State, admit: Admission):
     inputs = req.input
-    many = isinstance(inputs, list) and inputs and not all(isinstance(x, int) for x in inputs)
-    if isinstance(inputs, list) and len(inputs) > MAX_EMBED_INPUTS and many:
+    texts = isinstance(inputs, list) and not all(isinstance(x, int) for x in inputs)  # not one token-id list
+    if texts and len(inputs) > MAX_EMBED_INPUTS:
         raise ApiError(400, f"at most {MAX_EMBED_INPUTS} inputs in one request", param="input")
     hidden = llm.config.hidden_size
     if req.dimensions is not None and req.dimensions != hidden:
@@ -33,16 +33,11 @@ async def embeddings(request: Request, req: Annotated[EmbeddingRequest, Depends(
         raise ApiError(400, f"dimensions {req.dimensions}: this model's embeddings have {hidden} dimensions "
                        "and cannot be shortened", param="dimensions")
     admit()
-    state.inflight += 1  # a drain waits for it as for a generation
-    state.idle.clear()
-    try:
-        out = await asyncio.to_thread(llm.embed_with_counts, inputs, req.pooling, req.normalize)
-    except RequestError as e:
-        raise ApiError(400, str(e), param="input")
-    finally:
-        state.inflight -= 1
-        if state.inflight == 0:
-            state.idle.set()
+    with state.in_flight():  # a drain waits for it as for a generation
+        try:
+            out = await asyncio.to_thread(llm.embed_with_counts, inputs, req.pooling, req.normalize)
+        except RequestError as e:
+            raise ApiError(400, str(e), param="input")
     state.metrics.prompt_tokens.labels(state.settings.model_name).inc(out.prompt_tokens)
     request.state.llamajet_access = {"prompt_tokens": out.prompt_tokens, "completion_tokens": 0}
     data = []
