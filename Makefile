@@ -19,7 +19,7 @@ LAYOUT := $(VENV)/.pylayout
 $(shell mkdir -p $(VENV) && find src -name '*.py' | sort > $(LAYOUT).new && \
         (cmp -s $(LAYOUT).new $(LAYOUT) || mv $(LAYOUT).new $(LAYOUT)); rm -f $(LAYOUT).new)
 
-.PHONY: setup setup-test run chat serve test clang sanitize fuzz fuzz-long bench clean
+.PHONY: chromium setup setup-test run chat serve test clang sanitize fuzz fuzz-long bench clean
 
 # $(call step,LOG,command): the command's output through tools/progress.py (a
 # line per package and per compiled file, the seconds since the start, a line
@@ -85,8 +85,18 @@ serve: setup
 # (tools/fuzz.py): clang's, coverage-guided into the C++, when clang++ is
 # there or can be installed, else gcc's (unguided).
 FUZZ_RUNS ?= 2000
-test: setup setup-test $(CONVERTER)
+test: setup setup-test chromium $(CONVERTER)
 	$(BIN)/python -m pytest -q
+
+# Debian's chromium for the chat page's browser tests (tests/test_chat_page.py,
+# driven by Playwright through executable_path: Playwright's own browser
+# download does not work here). Installed when missing if this is root on a
+# machine with apt-get (CI, ~30 s); otherwise those tests skip and say why.
+chromium:
+	@command -v chromium > /dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get > /dev/null && \
+	  echo "make: installing Debian's chromium (the chat page's browser tests; log in $(VENV)/apt-chromium.log)" && \
+	  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; } \
+	  > $(VENV)/apt-chromium.log 2>&1; } || echo "make: no chromium and cannot install it: the browser tests skip"
 
 # Debian's clang for the coverage-guided build: installed when missing if this
 # is root on a machine with apt-get (CI); otherwise both runs use gcc and say so.

@@ -205,7 +205,7 @@ def cmd_serve(a) -> int:
         api_key=a.api_key or os.environ.get("LLAMAJET_API_KEY") or None,
         max_queued_requests=a.max_queued_requests, max_body_bytes=a.max_body_bytes,
         drain_timeout=a.drain_timeout, responses_max_count=a.responses_max_count,
-        responses_max_bytes=a.responses_max_mib << 20)
+        responses_max_bytes=a.responses_max_mib << 20, ui=not a.no_ui)
 
     def load():
         from llamajet.api import LLM
@@ -396,6 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="stored /v1/responses kept for previous_response_id (oldest evicted; default: 1000)")
     sv.add_argument("--responses-max-mib", type=_at_least_1, default=256,
                     help="... and at most this many MiB of them (default: 256)")
+    sv.add_argument("--no-ui", action="store_true", help="no chat page at / (default: a chat page in the browser "
+                                                            "at http://HOST:PORT/)")
     sv.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     sv.set_defaults(fn=cmd_serve)
     gr = sub.add_parser("graph", help="the step graph after the fusion passes: each node's kernel and arena "

@@ -38,7 +38,7 @@ from llamajet.engine.sampling import SamplingParams
 from llamajet.server.errors import ApiError, error_body, install_handlers, render
 from llamajet.server import log
 from llamajet.server.grammar import Grammars
-from llamajet.server.routes import anthropic, basic, embeddings, openai_chat, openai_completions, responses
+from llamajet.server.routes import anthropic, basic, embeddings, openai_chat, openai_completions, responses, ui
 from llamajet.server.state import ServerSettings, ServerState
 
 __all__ = ["ApiError", "ServerSettings", "ServerState", "create_app", "error_body"]
@@ -77,11 +77,12 @@ def create_app(settings: ServerSettings, load: Callable[[], Any] | Any) -> FastA
 
     app = FastAPI(title="llamajet", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
     app.state.llamajet = state
-    for r in ROUTERS:
+    routers = ROUTERS + ((ui.router,) if settings.ui else ())
+    for r in routers:
         app.include_router(r)
     install_handlers(app)
     # the routers' own routes (FastAPI wraps an included router; its routes keep their paths here)
-    leaf = [r for router in ROUTERS for r in router.routes]
+    leaf = [r for router in routers for r in router.routes]
     app.add_middleware(Guard, state=state, routes=lambda: leaf)
     return app
 

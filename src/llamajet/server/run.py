@@ -80,6 +80,9 @@ def serve(settings: ServerSettings, load: Callable[[], Any], host: str = "127.0.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                             access_log=False, lifespan="on")
     server = _DrainingServer(config, app.state.llamajet)
+    if settings.ui:
+        shown = f"[{host}]" if ":" in host else host
+        log.info("chat page: http://%s:%d/ (--no-ui turns it off)", shown, port)
     server.run()
     return 0
 

@@ -22,6 +22,7 @@ class ServerSettings:
     retry_after_s: int = 1            # Retry-After on 429
     responses_max_count: int = 1000   # stored /v1/responses kept in memory (oldest evicted)
     responses_max_bytes: int = 256 << 20  # ... and their bytes (responses + conversations, as JSON)
+    ui: bool = True                   # the chat page at / (--no-ui turns it off)
 
 
 class ServerState:
