@@ -8,7 +8,9 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <sys/resource.h>
 
 namespace lj {
@@ -179,6 +181,19 @@ void spin_then_sleep(std::atomic<T>& a, std::atomic<int>& sleepers, Ready ready)
 ThreadPool::ThreadPool(int n_threads)
     : nth_(n_threads < 1 ? 1 : n_threads), finished_(new std::atomic<uint32_t>[n_threads < 1 ? 1 : n_threads]()) {
   threads_.reserve(nth_ - 1);
+  // Workers start with every signal blocked (a new thread inherits its creator's mask), so the
+  // process's signals (Ctrl-C's SIGINT, SIGTERM) go to the embedding program's own threads. A signal
+  // taken by a worker runs Python's C handler there, which only sets a flag: the main thread, asleep
+  // in select() under input() or an event loop, would not wake until its next input.
+  struct BlockSignals {  // restores the caller's mask even if a thread cannot be created
+    sigset_t old;
+    BlockSignals() {
+      sigset_t all;
+      sigfillset(&all);
+      pthread_sigmask(SIG_SETMASK, &all, &old);
+    }
+    ~BlockSignals() { pthread_sigmask(SIG_SETMASK, &old, nullptr); }
+  } blocked;
   for (int i = 1; i < nth_; ++i) threads_.emplace_back([this, i] { worker(i); });
 }
 
