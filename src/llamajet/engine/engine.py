@@ -323,17 +323,20 @@ class Engine:
                 self.abort(seq)  # a consumer that stops early frees the blocks
 
     def run_all(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Queues `seqs` and steps until every one has finished."""
+        """Queues `seqs` and steps until every one, and every other choice of
+        an n > 1 request (its forks, taken now: the head hands them to the
+        running batch at its first token), has finished."""
+        members = [m for s in seqs for m in (s, *s.forks)]
         with self.lock:
             for s in seqs:
                 self.add_request(s)
         try:
-            while any(not s.finished for s in seqs):
+            while any(not m.finished for m in members):
                 self.step()
         finally:
             with self.lock:
-                for s in seqs:
-                    self.abort(s)
+                for m in members:
+                    self.abort(m)
         return seqs
 
     # ------------------------------------------------------------ scoring
