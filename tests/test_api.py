@@ -87,8 +87,8 @@ def test_chat_on_default_model_stops_at_end_of_turn(smollm2_gguf):
     # (The fast path's int8 activations flip the first token of "What is the
     # capital of France?" to a near-tie runner-up, " L" 24.62 vs "The" 24.55;
     # this prompt has a clear winner on both paths.)
-    out = llm.chat([{"role": "user", "content": "Name the capital of France."}],
-                   SamplingParams(max_tokens=40, temperature=0))
+    out, = llm.chat([{"role": "user", "content": "Name the capital of France."}],
+                    SamplingParams(max_tokens=40, temperature=0))
     assert out.finish_reason == "stop"
     assert "Paris" in out.text and "<|im_end|>" not in out.text
 

@@ -185,7 +185,7 @@ def test_chat_streams_token_by_token_and_keeps_the_conversation(browser, srv):
     conv = tab.conversation()
     assert [m["role"] for m in conv] == ["user", "assistant"]
     msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is the capital of France?"}]
-    ref = srv.llm.chat(msgs, SamplingParams(temperature=0, top_p=1, max_tokens=24))
+    ref = srv.llm.chat(msgs, SamplingParams(temperature=0, top_p=1, max_tokens=24))[0]
     assert conv[1]["content"] == ref.text  # the page's reply is the server's greedy reply, whole
     assert tab.chats()[0]["messages"] == msgs and tab.chats()[0]["stream"] is True
     # token by token: the reply grew in many steps, each a prefix of the next (one SSE chunk per token;

@@ -145,6 +145,6 @@ def test_local_chat_completions_generates_what_the_server_generates(srv, tasks):
     for s in samples:
         got = s["resps"][0][0]
         msgs = json.loads(s["arguments"][0][0][0])  # (chat history as JSON,), gen_kwargs
-        ref = srv.llm.chat(msgs, SamplingParams(max_tokens=12, temperature=0, stop=("\n",)))
+        ref = srv.llm.chat(msgs, SamplingParams(max_tokens=12, temperature=0, stop=("\n",)))[0]
         assert got == ref.text, (got, ref.text)
     assert 0.0 <= out["results"]["llamajet_say"]["exact_match,none"] <= 1.0

@@ -87,9 +87,7 @@ def test_token_budget_mixes_prefill_chunks_and_decodes(stories_hf, alone):
         kinds = {s.num_tokens > 1 or not s.logits for s in sched}  # prefill chunk vs decode
         mixed |= kinds == {True, False}
     assert mixed
-    from llamajet.api import _output
-
-    same([_output(p, s) for p, s in zip(PROMPTS, seqs)], alone)
+    same([llm._output(p, [s]) for p, s in zip(PROMPTS, seqs)], alone)
 
 
 def test_requests_join_the_running_batch_between_steps(stories_hf, alone):
@@ -105,9 +103,7 @@ def test_requests_join_the_running_batch_between_steps(stories_hf, alone):
     assert sched[a.id].num_tokens == 1 and sched[b.id].num_tokens == len(ids[1])  # one step: a decodes, b prefills
     while eng.has_unfinished():
         eng.step()
-    from llamajet.api import _output
-
-    same([_output(PROMPTS[0], a), _output(PROMPTS[1], b)], alone[:2])
+    same([llm._output(PROMPTS[0], [a]), llm._output(PROMPTS[1], [b])], alone[:2])
 
 
 def test_pool_exhaustion_preempts_and_every_request_completes(stories_hf, alone):

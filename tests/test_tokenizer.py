@@ -29,7 +29,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 tokenizers = pytest.importorskip("tokenizers")
 gguf = pytest.importorskip("gguf")
 
-from llamajet.errors import LlamajetError, ModelFormatError, TokenizerError  # noqa: E402
+from llamajet.errors import RequestError, LlamajetError, ModelFormatError, TokenizerError  # noqa: E402
 from llamajet.tokenizer import (  # noqa: E402
     StreamDecoder,
     Tokenizer,
@@ -465,8 +465,9 @@ def test_llama3_style_template_matches_transformers(llama3_chat_dir):
     assert f"Today Date: {before}" in rendered or f"Today Date: {after}" in rendered
     # The rendered prompt starts with exactly one BOS once encoded.
     assert ours.encode(rendered).count(ours.bos_id) == 1
-    # raise_exception surfaces as a TokenizerError carrying the template's message.
-    with pytest.raises(TokenizerError, match="Unsupported role: tool"):
+    # raise_exception (the template refusing these messages) is the request's fault: a RequestError
+    # carrying the template's message.
+    with pytest.raises(RequestError, match="the chat template refused these messages: Unsupported role: tool"):
         ours.apply_chat_template(CONVERSATION + [{"role": "tool", "content": "5"}])
 
 

@@ -11,6 +11,9 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _EXPORTS = {
     "LLM": "llamajet.api",
+    "RequestOutput": "llamajet.api",
+    "CompletionOutput": "llamajet.api",
+    "Logprob": "llamajet.api",
     "SamplingParams": "llamajet.engine.sampling",
     "ModelConfig": "llamajet.config",
     "RuntimeConfig": "llamajet.config",

@@ -19,7 +19,7 @@ from llamajet.engine.async_engine import AsyncEngine
 from llamajet.config import RuntimeConfig
 from llamajet.engine.embedder import POOLINGS, Embedder, Embeddings
 from llamajet.engine.engine import Engine, StreamEvent
-from llamajet.engine.output import ChoiceOutput
+from llamajet.engine.output import ChoiceOutput, RequestOutputs
 from llamajet.engine.outliers import plan_file as outlier_plan_file
 from llamajet.engine.outliers import load_probe
 from llamajet.engine.outliers import save_plan as save_outlier_plan
@@ -46,13 +46,55 @@ class RequestMetrics:
 
 
 @dataclass(frozen=True)
-class RequestOutput:
-    prompt: str | None
-    prompt_token_ids: list[int]
+class Logprob:
+    """One token's log-probability at one position (vLLM's Logprob)."""
+
+    logprob: float
+    rank: int | None     # 1 = the most likely token; None: the sampled token, outside the top-k asked for
+    decoded_token: str   # the token's own text (a byte-level piece may be part of a character)
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    """One of a request's n completions (vLLM's CompletionOutput)."""
+
+    index: int
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" | "length"
+    cumulative_logprob: float | None  # the sum of the sampled tokens' logprobs; None unless logprobs were asked
+    logprobs: list[dict[int, Logprob]] | None  # per token: the sampled one and the top-k; None unless asked
+    finish_reason: str  # "stop" | "length" | "abort"
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One prompt's result: its n completions in `outputs` (vLLM's shape).
+    `text`, `token_ids` and `finish_reason` are the first completion's."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
     metrics: RequestMetrics | None = None
+    # with SamplingParams(prompt_logprobs=k): None for the first token, then each prompt token's
+    # logprob and the top-k at its position
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    finished: bool = True
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason
+
+
+#: chat roles a conversation may hold (OpenAI's, with tool results and developer instructions)
+ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 class LLM:
@@ -179,67 +221,156 @@ class LLM:
 
     # -- generation
 
-    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+    def _prompt_ids(self, prompt, name: str = "prompt") -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of one prompt: a non-empty str, or a sequence of token ids;
+        RequestError naming `name` for anything else."""
         if isinstance(prompt, str):
             if not prompt:
-                raise RequestError("empty prompt")
+                raise RequestError(f"{name}: empty prompt")
             return prompt, self.tokenizer.encode(prompt)
-        ids = [int(t) for t in prompt]
-        return None, ids
+        if isinstance(prompt, np.ndarray):
+            prompt = prompt.tolist() if prompt.ndim == 1 else None
+        if not isinstance(prompt, (list, tuple)):
+            raise RequestError(f"{name}: expected a str or a list of token ids, got {type(prompt).__name__}")
+        return None, _token_ids(prompt, name)
 
-    def generate(self, prompts: str | Seq[str] | Seq[Seq[int]],
+    @staticmethod
+    def _params(params, n: int, name: str = "params") -> list[SamplingParams]:
+        """`params` for n prompts: None (defaults), one SamplingParams for all, or one each."""
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        if isinstance(params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in params):
+            if len(params) != n:
+                raise RequestError(f"{name}: {len(params)} SamplingParams for {n} prompts")
+            return list(params)
+        hint = " (build one: SamplingParams(**d))" if isinstance(params, dict) else ""
+        raise RequestError(f"{name}: expected a SamplingParams or a list of them, got "
+                           f"{type(params).__name__}{hint}")
+
+    def generate(self, prompts: str | Seq[str] | Seq[int] | Seq[Seq[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
         """One RequestOutput per prompt (a string, or a list of token ids),
-        in order. All prompts run together: continuous batching, one step
-        computes every running sequence. `params`: one for all, or one each."""
-        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
+        in order, each with its n completions in `outputs`. All prompts run
+        together: continuous batching, one step computes every running
+        sequence. `params`: one for all, or one each."""
+        if isinstance(prompts, np.ndarray):
+            prompts = prompts.tolist()
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and len(prompts) and
+                                        all(_is_int(t) for t in prompts)):
             prompts = [prompts]
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise RequestError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        if not isinstance(prompts, (list, tuple)):
+            raise RequestError(f"prompts: expected a str, a list of str, a list of token ids or a list of "
+                               f"token-id lists, got {type(prompts).__name__}")
+        if not prompts:
+            raise RequestError("prompts: empty list: give at least one prompt")
+        params = self._params(params, len(prompts))
         # Validate every request before running any, so a bad one loses nothing.
-        encoded = [self._prompt_ids(p) for p in prompts]
+        encoded = [self._prompt_ids(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         seqs = [self.engine.new_sequence(ids, p) for (_, ids), p in zip(encoded, params)]
+        groups = [[s, *s.forks] for s in seqs]  # (the engine empties `forks` when it starts them)
         with self._lock:
             self.engine.run_all(seqs)
-        return [_output(text, seq) for (text, _), seq in zip(encoded, seqs)]
+        return [self._output(text, g) for (text, _), g in zip(encoded, groups)]
 
     def stream(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> Iterator[StreamEvent]:
-        """Yields StreamEvents (token id, new text) as tokens are generated."""
+        """Yields StreamEvents (token id, new text; `index` tells an n > 1
+        request's completions apart) as tokens are generated."""
         _, ids = self._prompt_ids(prompt)
-        return self.engine.stream(ids, params or SamplingParams())
+        return self.engine.stream(ids, self._params(params, 1)[0])
 
     async def astream(self, prompt: str | Seq[int],
                       params: SamplingParams | None = None) -> AsyncIterator[StreamEvent]:
         """Async twin of `stream`: `async for ev in llm.astream(...)`. Requests
         streamed concurrently from one event loop share the engine's steps."""
         _, ids = self._prompt_ids(prompt)
-        async for ev in self.async_engine.stream(ids, params or SamplingParams()):
+        p = self._params(params, 1)[0]
+        async for ev in self.async_engine.stream(ids, p):
             yield ev
 
     async def agenerate(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> RequestOutput:
         """One request, awaited; concurrent calls are batched together."""
         text, ids = self._prompt_ids(prompt)
-        out = ChoiceOutput(0)
-        async for ev in self.async_engine.stream(ids, params or SamplingParams()):
-            out.add(ev)
-        return RequestOutput(text, ids, out.text, out.token_ids, out.finish_reason or "length")
+        p = self._params(params, 1)[0]
+        outs = RequestOutputs(p.n)
+        async for ev in self.async_engine.stream(ids, p):
+            outs.add(ev.index, ev)
+        return RequestOutput(text, ids, [self._completion(c) for c in outs.choices])
 
-    def chat(self, messages: list[dict], params: SamplingParams | None = None,
-             add_generation_prompt: bool = True) -> RequestOutput:
-        """Renders `messages` with the model's chat template and generates the reply."""
-        ids = self.chat_ids(messages, add_generation_prompt)
-        return self.generate([ids], params)[0]
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | Seq[SamplingParams] | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Renders each conversation with the model's chat template and
+        generates its reply: one conversation (a list of {"role", "content"}
+        dicts) or a list of them, run together; a list of RequestOutputs, in
+        order, as `generate` returns."""
+        if isinstance(messages, (list, tuple)) and messages and all(isinstance(c, (list, tuple)) for c in messages):
+            convs, names = list(messages), [f"messages[{i}]" for i in range(len(messages))]
+        else:
+            convs, names = [messages], ["messages"]
+        params = self._params(params, len(convs))
+        for c, n in zip(convs, names):  # every conversation checked before any is rendered
+            _check_conversation(c, n)
+        ids = [self.chat_ids(c, add_generation_prompt, name=n) for c, n in zip(convs, names)]
+        return self.generate(ids, params)
 
-    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                 name: str = "messages") -> list[int]:
+        """The token ids of `messages` rendered by the model's chat template."""
+        _check_conversation(messages, name)
+        if not isinstance(add_generation_prompt, (bool, np.bool_)):
+            raise RequestError(f"add_generation_prompt={add_generation_prompt!r}: must be True or False")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=bool(add_generation_prompt))
         # The template writes BOS itself where the model wants one.
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    # -- results (engine/output.py joins the events, as the server's routes do)
+
+    def _logprobs(self, chosen: int | None, lp: float | None, top) -> dict[int, Logprob]:
+        d = {i: Logprob(float(v), r + 1, self._piece(i)) for r, (i, v) in enumerate(top)}
+        if chosen is not None and chosen not in d and lp is not None:
+            d = {chosen: Logprob(float(lp), None, self._piece(chosen)), **d}
+        return d
+
+    def _piece(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _completion(self, c: ChoiceOutput) -> CompletionOutput:
+        asked = any(t.logprob is not None for t in c.tokens)
+        lps = [self._logprobs(t.id, t.logprob, t.top) for t in c.tokens] if asked else None
+        cum = float(sum(t.logprob for t in c.tokens)) if asked else None
+        return CompletionOutput(c.index, c.text, c.token_ids, cum, lps, c.finish_reason or "length")
+
+    def _output(self, prompt: str | None, group: list[Sequence]) -> RequestOutput:
+        """A finished request's RequestOutput: each completion of its group
+        (the head, then its forks) built from its events."""
+        seq = group[0]
+        group = sorted(group, key=lambda s: s.index)
+        outs = RequestOutputs(len(group))
+        for s in group:
+            for ev in s.events:
+                outs.add(ev.index, ev)
+            s.events.clear()
+            if outs.choices[s.index].finish_reason is None and s.finish_reason is not None:
+                outs.choices[s.index].finish_reason = s.finish_reason
+        end = seq.finish_time or seq.arrival_time
+        metrics = RequestMetrics(ttft_s=(seq.first_token_time or end) - seq.arrival_time,
+                                 total_s=end - seq.arrival_time, cached_tokens=seq.num_cached_tokens,
+                                 preemptions=seq.num_preemptions)
+        plp = None
+        if seq.prompt_logprobs is not None:
+            ids = seq.prompt_ids
+            plp = [None] + [self._logprobs(ids[p], e[0], e[1]) for p, e in enumerate(seq.prompt_logprobs) if p > 0]
+        return RequestOutput(prompt, seq.prompt_ids, [self._completion(c) for c in outs.choices], metrics, plp)
+
     def logits(self, token_ids: Seq[int]) -> np.ndarray:
         """Logits for every position: float32 [len(token_ids), vocab]."""
-        ids = [int(t) for t in token_ids]
+        if isinstance(token_ids, np.ndarray):
+            token_ids = token_ids.tolist() if token_ids.ndim == 1 else None
+        if not isinstance(token_ids, (list, tuple)):
+            hint = " (tokenize it first: llm.tokenizer.encode(text))" if isinstance(token_ids, str) else ""
+            raise RequestError(f"token_ids: expected a list of token ids, got {type(token_ids).__name__}{hint}")
+        ids = _token_ids(token_ids, "token_ids")
         with self._lock:
             return self.engine.logits(ids)
 
@@ -310,14 +441,32 @@ class LLM:
         return self._embedder
 
 
-def _output(prompt: str | None, seq: Sequence) -> RequestOutput:
-    """A finished sequence's events, joined (engine/output.py, as the server joins them)."""
-    out = ChoiceOutput(seq.index)
-    for ev in seq.events:
-        out.add(ev)
-    seq.events.clear()
-    end = seq.finish_time or seq.arrival_time
-    metrics = RequestMetrics(ttft_s=(seq.first_token_time or end) - seq.arrival_time,
-                             total_s=end - seq.arrival_time, cached_tokens=seq.num_cached_tokens,
-                             preemptions=seq.num_preemptions)
-    return RequestOutput(prompt, seq.prompt_ids, out.text, out.token_ids, seq.finish_reason or "length", metrics)
+def _is_int(t) -> bool:
+    return isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_))
+
+
+def _token_ids(ids, name: str) -> list[int]:
+    for j, t in enumerate(ids):
+        if not _is_int(t):
+            raise RequestError(f"{name}[{j}]: token ids must be integers, got {type(t).__name__}")
+    return [int(t) for t in ids]
+
+
+def _check_conversation(messages, name: str) -> None:
+    """RequestError naming the message at fault: a conversation is a non-empty list of dicts,
+    each with a known role and text content (or a list of content parts, or None beside tool calls)."""
+    if not isinstance(messages, (list, tuple)):
+        raise RequestError(f"{name}: expected a list of {{'role', 'content'}} dicts, got {type(messages).__name__}"
+                           + (" (a str is one message: [{'role': 'user', 'content': ...}])"
+                              if isinstance(messages, str) else ""))
+    if not messages:
+        raise RequestError(f"{name}: empty conversation")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise RequestError(f"{name}[{i}]: expected a dict with 'role' and 'content', got {type(m).__name__}")
+        role = m.get("role")
+        if role not in ROLES:
+            raise RequestError(f"{name}[{i}]: role {role!r} is not one of {', '.join(ROLES)}")
+        content = m.get("content")
+        if not (content is None or isinstance(content, (str, list))):
+            raise RequestError(f"{name}[{i}]: content must be a str, got {type(content).__name__}")

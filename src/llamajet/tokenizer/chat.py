@@ -40,7 +40,7 @@ from datetime import datetime
 from functools import lru_cache, wraps
 from typing import Any
 
-from llamajet.errors import TokenizerError
+from llamajet.errors import RequestError, TokenizerError
 
 MAX_OUTPUT_CHARS = 4 * 1024 * 1024  # a rendered prompt, and any one string or list a template builds
 # loop iterations + calls in one render. Real templates take about 2 per
@@ -221,10 +221,17 @@ def render(source: str, messages: list[dict], **variables: Any) -> str:
         return "".join(parts)
     except _TemplateLimit as e:
         raise TokenizerError(f"chat template refused: {e}") from None
+    except _TemplateRaised as e:  # the template's own check of the messages: the request's fault
+        raise RequestError(f"the chat template refused these messages: {e}") from None
     except Exception as e:  # jinja2 TemplateError, or the template's raise_exception
         raise TokenizerError(f"chat template failed: {e}") from e
     finally:
         _BUDGET.reset(token)
+
+
+class _TemplateRaised(Exception):
+    """A template's raise_exception(...): it refuses the messages (roles that do not
+    alternate, a system message where none may be, ...)."""
 
 
 @lru_cache(maxsize=16)
@@ -330,7 +337,7 @@ def compile_template(source: str) -> Any:
         return run
 
     def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
+        raise _TemplateRaised(message)
 
     def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
                sort_keys: bool = False) -> str:
