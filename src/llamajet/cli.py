@@ -27,11 +27,13 @@ def _add_model_args(p: argparse.ArgumentParser, **runtime) -> None:
 def _add_sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
     p.add_argument("--max-tokens", "-n", type=int, default=128, help="new tokens at most")
     p.add_argument("--temperature", type=float, default=temperature, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of this total probability")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the top one's "
+                                                             "probability")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="above 1 discourages repeated tokens")
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampler: the same seed repeats a reply "
+                                                          "(default: a fresh one each run)")
 
 
 def _params(a):
@@ -52,6 +54,10 @@ def cmd_generate(a) -> int:
     params = _params(a)  # validate flags before loading the model
     llm = _llm(a)
     llm.engine.runner.reset_thread_stats()
+    echo = sys.stdout.isatty() if a.echo is None else a.echo
+    if echo:  # the prompt, then its continuation (dimmed on a terminal)
+        dim = sys.stdout.isatty()
+        sys.stdout.write(("\033[2m" if dim else "") + a.prompt + ("\033[0m" if dim else ""))
     for ev in llm.stream(a.prompt, params):
         sys.stdout.write(ev.text)
         sys.stdout.flush()
@@ -78,34 +84,94 @@ def busy_note(t: dict) -> str:
     return note
 
 
+CHAT_HELP = """commands:
+  /clear     forget the conversation (the --system prompt stays)
+  /history   show the conversation so far
+  /help      this list
+  /exit      quit (also /quit, /bye, Ctrl-D, or Ctrl-C twice at an empty prompt)
+keys: Ctrl-C stops a reply and keeps the conversation; arrows edit the line and recall earlier ones"""
+
+
 def cmd_chat(a) -> int:
+    import re
+    import signal
+    import threading
+
+    try:
+        import readline  # noqa: F401  (importing it gives input() line editing and history)
+    except ImportError:  # (not on every platform)
+        pass
     params = _params(a)
     llm = _llm(a)
-    messages: list[dict] = []
-    if a.system:
-        messages.append({"role": "system", "content": a.system})
-    print(f"llamajet chat — {llm.path.name} ({llm.isa}, {llm.n_threads} threads). "
-          "Empty line or Ctrl-D to quit.", file=sys.stderr)
+    system = [{"role": "system", "content": a.system}] if a.system else []
+    messages: list[dict] = list(system)
+    print(f"llamajet chat — {llm.path.name} ({llm.isa}, {llm.n_threads} threads). Ctrl-C stops a reply; "
+          "/help lists commands; Ctrl-D or /exit quits.", file=sys.stderr)
+    interrupted = False
     while True:
         try:
             line = input("> ")
         except EOFError:
+            print(file=sys.stderr)
             break
-        if not line.strip():
+        except KeyboardInterrupt:  # at the prompt: twice in a row quits
+            print(file=sys.stderr)
+            if interrupted:
+                break
+            interrupted = True
+            print("(Ctrl-C again, Ctrl-D or /exit to quit)", file=sys.stderr)
+            continue
+        interrupted = False
+        cmd = line.strip()
+        if not cmd:
+            continue
+        if cmd in ("/exit", "/quit", "/bye"):
             break
+        if cmd == "/help":
+            print(CHAT_HELP)
+            continue
+        if cmd == "/clear":
+            messages = list(system)
+            print("(conversation cleared)", file=sys.stderr)
+            continue
+        if cmd == "/history":
+            for m in messages:
+                print(f"[{m['role']}] {m['content']}")
+            continue
+        if re.fullmatch(r"/[A-Za-z]+", cmd):
+            print(f"unknown command {cmd}: /help lists them", file=sys.stderr)
+            continue
         messages.append({"role": "user", "content": line})
+        # Ctrl-C during a reply sets a flag, read between tokens: a KeyboardInterrupt raised inside a step
+        # could leave the engine half-updated; the stream's close then frees the sequence.
+        stop = threading.Event()
+        previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
+        reply, finish = [], None
         try:
-            ids = llm.chat_ids(messages)
-            reply = []
-            for ev in llm.engine.stream(ids, params):
-                sys.stdout.write(ev.text)
-                sys.stdout.flush()
-                reply.append(ev.text)
+            stream = llm.engine.stream(llm.chat_ids(messages), params)
+            try:
+                for ev in stream:
+                    sys.stdout.write(ev.text)
+                    sys.stdout.flush()
+                    reply.append(ev.text)
+                    finish = ev.finish_reason or finish
+                    if stop.is_set():
+                        finish = "interrupted"
+                        break
+            finally:
+                stream.close()
         except LlamajetError as e:  # e.g. the conversation outgrew the context
-            print(f"\nerror: {e}", file=sys.stderr)
+            print(f"\nerror: {e} (/clear starts over)", file=sys.stderr)
             messages.pop()
             continue
+        finally:
+            signal.signal(signal.SIGINT, previous)
         sys.stdout.write("\n")
+        sys.stdout.flush()
+        if finish == "interrupted":
+            print("[interrupted]", file=sys.stderr)
+        elif finish == "length":
+            print(f"[cut at --max-tokens {params.max_tokens}]", file=sys.stderr)
         messages.append({"role": "assistant", "content": "".join(reply)})
     return 0
 
@@ -294,12 +360,17 @@ def cmd_graph(a) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from llamajet import __version__
+
     ap = argparse.ArgumentParser(prog="llamajet", description="LLaMA-3 inference on CPUs")
+    ap.add_argument("--version", action="version", version=f"llamajet {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="continue a prompt")
     _add_model_args(g)
     _add_sampling_args(g, temperature=0.0)
     g.add_argument("--stats", action="store_true", help="print prefill/decode speed to stderr")
+    g.add_argument("--echo", action=argparse.BooleanOptionalAction, default=None,
+                   help="print the prompt before its continuation (default: on a terminal, dimmed)")
     g.add_argument("prompt")
     g.set_defaults(fn=cmd_generate)
     c = sub.add_parser("chat", help="multi-turn chat (streams the reply)")
@@ -409,7 +480,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(gr, skip=("kv_prefault", "enable_prefix_caching", "max_num_seqs", "max_tokens_per_step",
                               "kv_cache_tokens", "block_size", "n_threads"))
     gr.set_defaults(fn=cmd_graph)
+    for p in sub.choices.values():
+        p.formatter_class = _DefaultsFormatter
     return ap
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default, unless it says it already."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        if ("default" in h or action.default in (None, argparse.SUPPRESS) or not action.option_strings
+                or isinstance(action, (argparse._StoreTrueAction, argparse._HelpAction, argparse._VersionAction))):
+            return h
+        d = action.default
+        shown = "on" if d is True else "off" if d is False else "%(default)s"
+        return f"{h} (default: {shown})" if h else f"default: {shown}"
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:

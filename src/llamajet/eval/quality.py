@@ -99,7 +99,7 @@ def main(a) -> int:
         if not prompts:
             print("llamajet eval: the text has no tokens left after the scored windows for --speed", file=sys.stderr)
         else:
-            tps = speed({n: v for n, v in llms.items() if n != "float"}, prompts)
+            tps = speed(llms, prompts)  # the float row too: what the reference kernels cost is worth seeing
     ref_ppl = scores["float"].ppl
     rows = []
     for name, s in scores.items():
