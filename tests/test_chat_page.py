@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -179,9 +180,20 @@ def test_chat_streams_token_by_token_and_keeps_the_conversation(browser, srv):
     assert "1024" in p.inner_text("#model")  # the context, from /v1/models
     tab.set(temperature=0, max_tokens=24, system="You are terse.")
     p.evaluate(OBSERVE)
-    p.fill("#input", "What is the capital of France?")
-    p.press("#input", "Enter")
-    tab.settle()
+    eng = srv.llm.engine
+    step = eng.step
+
+    def paced_step():  # tokens ~20 ms apart, so that a busy machine's browser still reads them one by one
+        time.sleep(0.02)
+        return step()
+
+    eng.step = paced_step
+    try:
+        p.fill("#input", "What is the capital of France?")
+        p.press("#input", "Enter")
+        tab.settle()
+    finally:
+        del eng.step  # the class's own again
     conv = tab.conversation()
     assert [m["role"] for m in conv] == ["user", "assistant"]
     msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is the capital of France?"}]
