@@ -11,7 +11,7 @@ import pytest
 from llamajet import ops
 from llamajet.config import RuntimeConfig
 from llamajet.engine.runner import ModelRunner, StepBatch
-from llamajet.graph.ir import Graph
+from llamajet.graph.ir import Graph, _NodeList
 from llamajet.graph.passes import FusionContext, fuse
 from llamajet.loaders import load_model
 from llamajet.model.llama import build_graph
@@ -281,3 +281,97 @@ def test_fused_equals_unfused_on_every_isa(smollm2, isa, kv_dtype):
     got, r = _prefill_decode(smollm2, ids, fuse=True, isa=isa, kv_dtype=kv_dtype)
     assert any(l.startswith("qkv:") for l in r.fusion_log)
     np.testing.assert_array_equal(got, ref)
+
+
+# ---------------------------------------------------------------- the graph's reader / producer index
+
+def _scan_consumers(g: Graph, t: str):
+    return [n for n in g.nodes if t in n.inputs.values()]
+
+
+def _scan_index(g: Graph, node) -> int:
+    return next(i for i, n in enumerate(g.nodes) if n is node)
+
+
+def _index_off(monkeypatch):
+    """Graph queries as they were before the index: a scan of every node each."""
+    monkeypatch.setattr(_NodeList, "readers", lambda self, t: None)
+    monkeypatch.setattr(_NodeList, "writers", lambda self, t: None)
+    monkeypatch.setattr(Graph, "index", _scan_index)
+
+
+def _whole(g: Graph):
+    """Everything the passes decide: nodes (operands, attributes, order), tensors, weights' names."""
+    return _snapshot(g), list(g.tensors.items()), list(g.weights), list(g.outputs)
+
+
+@pytest.mark.parametrize("act_int8", [True, False])
+def test_the_index_fuses_as_the_scans_did(smollm2, monkeypatch, act_int8):
+    """Graph's index of readers and producers (graph/ir.py) answers what a scan of every node
+    answered: the passes build the same graph, node for node, and outliers.py finds the same inputs."""
+    from llamajet.graph.passes.outliers import quantized_inputs
+
+    ctx = FusionContext(act_int8=act_int8, prequant_head=act_int8)
+    runs = []
+    for indexed in (True, False):
+        if not indexed:
+            _index_off(monkeypatch)
+        g = _graph(smollm2, scheme=None)
+        log = fuse(g, ctx)
+        q = [(p.name, t, [r.name for r in rs]) for p, t, rs in quantized_inputs(g)]
+        runs.append((log, _whole(g), q))
+    assert runs[0] == runs[1]
+    assert len(runs[0][0]) > 100 and (len(runs[0][2]) > 0) == act_int8
+
+
+def test_fusion_scans_the_nodes_once(smollm2, monkeypatch):
+    """The passes' queries (consumers, producer, index) read the index, which their rewrites keep up
+    to date: one pass over the nodes builds it for the whole fusion. Before it, fusing SmolLM2-135M
+    scanned every node 543 times for consumers and 181 times for producers."""
+    from llamajet.graph import ir
+
+    monkeypatch.setattr(ir, "_LOG_MAX", 1 << 30)  # no cut of the change log (that costs one rebuild)
+    g = _graph(smollm2, scheme=None)
+    before = _NodeList.rebuilds
+    log = fuse(g, FusionContext(act_int8=True, prequant_head=True))
+    assert len(log) > 100
+    assert _NodeList.rebuilds - before == 1
+
+
+def test_the_index_follows_every_kind_of_change(tiny):
+    """Random rewrites through each way a node list or an operand dict can change, on a graph and on
+    a copy.copy of it given a shorter list (engine/outliers.py's probe): after each, every query
+    equals a scan's answer."""
+    rng = np.random.default_rng(0)
+    g = _graph(tiny)
+    probe = copy.copy(g)
+    probe.nodes = list(g.nodes)[: len(g.nodes) // 2]
+    tensors = sorted({t for n in g.nodes for t in n.reads() + n.writes()})
+
+    def check(graph):
+        for t in rng.choice(tensors, 40):
+            assert graph.consumers(t) == _scan_consumers(graph, t)
+            assert graph.producer(t) is graph.producers().get(t)
+        for n in rng.choice(np.array(list(graph.nodes), dtype=object), 10):
+            assert graph.index(n) == _scan_index(graph, n)
+
+    def some_node(graph):
+        return graph.nodes[int(rng.integers(len(graph.nodes)))]
+
+    changes = [
+        lambda gr: some_node(gr).inputs.__setitem__("x", str(rng.choice(tensors))),
+        lambda gr: some_node(gr).inputs.pop(next(iter(some_node(gr).inputs), None), None),
+        lambda gr: some_node(gr).inputs.update(extra=str(rng.choice(tensors))),
+        lambda gr: setattr(some_node(gr), "outputs", {"out": str(rng.choice(tensors))}),
+        lambda gr: gr.insert(int(rng.integers(len(gr.nodes))), some_node(gr)),
+        lambda gr: gr.nodes.insert(0, gr.nodes.pop()),
+        lambda gr: gr.nodes.__setitem__(slice(0, 2), gr.nodes[1::-1]),
+        lambda gr: gr.nodes.reverse(),
+        lambda gr: gr.nodes.append(some_node(gr)),  # a node twice: the index turns off
+        lambda gr: gr.nodes.remove(gr.nodes[-1]),  # ... and on again
+    ]
+    for step in range(60):
+        graph = (g, probe)[step % 2]
+        changes[step % len(changes)](graph)
+        check(g)
+        check(probe)

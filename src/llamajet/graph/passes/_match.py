@@ -97,8 +97,7 @@ def drop_unread_weights(graph: Graph, names) -> None:
     leave the graph now, not at the end of the passes: a load then holds one
     layer's parts beside the stacked copies, not every layer's (fuse() also
     drops whatever is left unread at the end)."""
-    read = {t for n in graph.nodes for t in n.reads()}
     for w in names:
-        if w in graph.weights and w not in read:
+        if w in graph.weights and not graph.consumers(w):
             del graph.weights[w]
             del graph.tensors[w]

@@ -21,7 +21,7 @@ def run(graph: Graph, ctx) -> list[str]:
     log = []
     for norm in [n for n in graph.nodes if n.op == "rmsnorm"]:
         x, w, h = norm.inputs["x"], norm.inputs["w"], norm.outputs["out"]
-        add = graph.producers().get(x)
+        add = graph.producer(x)
         fuse_add = add is not None and add.op == "add" and graph.tensors[add.outputs["out"]].shape == graph.tensors[h].shape
         qi = quant_readers(graph, h, ctx)
         if not fuse_add and qi is None:

@@ -20,8 +20,7 @@ def run(graph: Graph, ctx) -> list[str]:
     log = []
     for sw in [n for n in graph.nodes if n.op == "swiglu"]:
         g, u = sw.inputs["gate"], sw.inputs["up"]
-        prod = graph.producers()
-        mg, mu = prod.get(g), prod.get(u)
+        mg, mu = graph.producer(g), graph.producer(u)
         if not plain_matmul(mg) or not plain_matmul(mu) or mg.inputs["x"] != mu.inputs["x"]:
             continue
         if only_consumer(graph, g) is not sw or only_consumer(graph, u) is not sw:

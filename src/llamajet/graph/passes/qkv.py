@@ -33,15 +33,15 @@ from llamajet.graph.passes._match import biases, drop_unread_weights, only_consu
 def run(graph: Graph, ctx) -> list[str]:
     log = []
     for kvw in [n for n in graph.nodes if n.op == "kv_write"]:
-        prod = graph.producers()
+        prod = graph.producer
         atts = [n for n in graph.consumers(kvw.outputs["kv"]) if n.op == "attention"]
         if len(atts) != 1:
             continue
-        rq, rk = prod.get(atts[0].inputs["q"]), prod.get(kvw.inputs["k"])
+        rq, rk = prod(atts[0].inputs["q"]), prod(kvw.inputs["k"])
         if rq is None or rk is None or rq.op != "rope" or rk.op != "rope":
             continue
         q, k, v = rq.inputs["x"], rk.inputs["x"], kvw.inputs["v"]
-        mq, mk, mv = prod.get(q), prod.get(k), prod.get(v)
+        mq, mk, mv = prod(q), prod(k), prod(v)
         if not all(plain_matmul(m) for m in (mq, mk, mv)):
             continue
         h = mq.inputs["x"]

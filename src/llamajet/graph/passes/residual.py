@@ -17,15 +17,14 @@ from llamajet.graph.passes._match import only_consumer
 def run(graph: Graph, ctx) -> list[str]:
     log = []
     for add in [n for n in graph.nodes if n.op == "add"]:
-        prod = graph.producers()
         for f_o, f_x in (("b", "a"), ("a", "b")):  # which input of the add is the projection
             o, x = add.inputs[f_o], add.inputs[f_x]
-            mm = prod.get(o)
+            mm = graph.producer(o)
             if mm is None or mm.op != "matmul" or mm.attrs.get("epilogue", ops.Epilogue.STORE) != ops.Epilogue.STORE:
                 continue
             if only_consumer(graph, o) is not add or graph.tensors[o].shape != graph.tensors[add.outputs["out"]].shape:
                 continue
-            px = prod.get(x)
+            px = graph.producer(x)
             if px is not None and graph.index(px) > graph.index(mm):
                 continue  # the residual would be produced after the matmul: a cycle
             graph.nodes.remove(add)
