@@ -287,3 +287,74 @@ def test_weight_columns_from_the_kernels_are_the_weights_values(three):
             np.testing.assert_array_equal(cols(w, c), weight_columns(w, c))
             seen += 1
     assert seen >= 3 * three["default"].config.num_layers + 1
+
+
+# ---------------------------------------------------------------- the probe's memo (engine/outliers.py)
+
+def _channels(llm) -> dict:
+    """The outlier channels and tiled columns a load wired in, by weight name."""
+    return {n: np.asarray(w.data) for n, w in llm.engine.runner.graph.weights.items()
+            if n.endswith((".ocols", ".ow"))}
+
+
+def test_a_second_load_takes_the_probes_maxima_from_the_memo(three, smollm2_gguf, monkeypatch):
+    """A load that probes the same graph (the same weights, bit for bit) with the same ids again gets
+    the maxima of the first probe instead of running it: the channels and columns, and so every
+    logit, equal those of a load that probed (the memo emptied first), and those of the module's
+    default load (which may itself have come from an earlier module's probe)."""
+    from llamajet.engine import outliers
+
+    monkeypatch.setattr(outliers, "_MEMO", type(outliers._MEMO)())
+    kw = dict(max_model_len=640, n_threads=2)
+    runs = outliers.PROBES_RUN[0]
+    probed = LLM(smollm2_gguf, **kw)
+    assert outliers.PROBES_RUN[0] == runs + 1
+    again = LLM(smollm2_gguf, **kw)
+    assert outliers.PROBES_RUN[0] == runs + 1
+    want = _channels(probed)
+    assert len(want) > 3 * probed.config.num_layers  # an ocols per input, an ow per reader
+    for other in (again, three["default"]):
+        got = _channels(other)
+        assert got.keys() == want.keys()
+        for n in want:
+            np.testing.assert_array_equal(got[n], want[n])
+    ids = probed.tokenizer.encode("The memo must not change a single logit.")
+    np.testing.assert_array_equal(again.logits(ids), probed.logits(ids))
+
+
+def test_the_memo_misses_on_any_changed_input(stories_hf, monkeypatch):
+    """The memo's key holds the probe graph, every weight's bytes, the ids and the executor's
+    settings: a graph with one weight byte changed, or other ids, is probed again."""
+    import dataclasses
+
+    from llamajet.config import RuntimeConfig
+    from llamajet.engine import outliers, runner
+    from llamajet.loaders import load_model
+
+    seen = {}
+
+    def spy(graph, ids, **kw):
+        seen.update(graph=graph, ids=ids, kw=kw)
+        return real(graph, ids, **kw)
+
+    real = outliers.input_absmax
+    monkeypatch.setattr(outliers, "_MEMO", type(outliers._MEMO)())
+    monkeypatch.setattr(runner.find_outliers, "input_absmax", spy)
+    model = load_model(stories_hf)
+    runner.compile_graph(model, RuntimeConfig(max_model_len=64).for_model(model.config))
+    g, ids, kw = seen["graph"], seen["ids"], seen["kw"]
+    first = real(g, ids, **kw)
+    assert first and outliers.PROBES_RUN[0] > 0
+    runs = outliers.PROBES_RUN[0]
+    hit = real(g, ids, **kw)
+    assert outliers.PROBES_RUN[0] == runs
+    assert hit.keys() == first.keys() and all(np.array_equal(hit[n], first[n]) for n in first)
+    real(g, ids[:-1], **kw)  # other ids
+    assert outliers.PROBES_RUN[0] == runs + 1
+    name = next(n for n in g.weights if n.endswith(".attn_qkv"))  # read by the probe (the LM head is not)
+    w = g.weights[name]
+    data = w.data.copy()
+    data.reshape(-1).view(np.uint8)[len(data.reshape(-1).view(np.uint8)) // 2] ^= 1
+    g.weights[name] = dataclasses.replace(w, data=data)
+    real(g, ids, **kw)
+    assert outliers.PROBES_RUN[0] == runs + 2
