@@ -123,12 +123,13 @@ def test_gptq_model_beats_rtn_on_held_out_text_and_maps_as_saved(stories_hf, sam
     assert sc["gptq"].ppl < sc["rtn"].ppl
 
 
-def test_gptq_needs_calibration_text(stories_hf, tmp_path):
+def test_gptq_calibration_file_errors(stories_hf, tmp_path):
     from llamajet.errors import LlamajetError
     from llamajet.quant.quantize import quantize_model
 
-    with pytest.raises(LlamajetError, match="--calib"):
-        quantize_model(stories_hf, tmp_path / "x", "int4_sym_g32", method="gptq")
+    # (no --calib at all is the self-written calibration: tests/test_quantize_defaults.py)
+    with pytest.raises(LlamajetError, match="--calib .*no such file"):
+        quantize_model(stories_hf, tmp_path / "x", "int4_sym_g32", method="gptq", calib=tmp_path / "missing.txt")
     with pytest.raises(LlamajetError, match="unknown method"):
         quantize_model(stories_hf, tmp_path / "x", "int4_sym_g32", method="awq2")
     assert not (tmp_path / "x").exists()  # refused before anything was written

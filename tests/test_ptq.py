@@ -220,7 +220,8 @@ def test_each_methods_saved_model_runs_what_its_calibration_measured(stories_hf,
                    embed_scheme="keep", bias_correction=bc)
     hidden: list = []
     wins = calibrate.calibration_windows(_L(stories_hf, max_model_len=128).tokenizer, calib.read_text(), 6, 96)
-    calibrate.sequential(model, wins, _method(method, get_scheme(scheme), model, False, True), hidden=hidden,
+    # act-order on, as quantize_model's default
+    calibrate.sequential(model, wins, _method(method, get_scheme(scheme), model, True, True), hidden=hidden,
                          bias_correction=bc)
     w = model.weights
     h = calibrate._rmsnorm(hidden[0][0], w["output_norm"].to_f32(), model.config.rms_norm_eps)

@@ -222,7 +222,10 @@ def stories_saved(stories_hf, tmp_path_factory):
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_saved_scheme_equals_quantizing_at_load(stories_hf, stories_saved, scheme):
     out, summary = stories_saved[scheme]
-    assert summary.counts == {f"RTN f32->{scheme}": 36, "norms (f32)": 11}
+    if scheme.startswith("int4"):  # the (tied) embedding keeps 8 bits under a 4-bit scheme: formats/convert.head_scheme
+        assert summary.counts == {f"RTN f32->{scheme}": 35, "RTN f32->int8_g32": 1, "norms (f32)": 11}
+    else:
+        assert summary.counts == {f"RTN f32->{scheme}": 36, "norms (f32)": 11}
     saved = load_model(out)
     src = load_model(stories_hf)
     assert saved.config == src.config

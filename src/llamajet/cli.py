@@ -233,14 +233,18 @@ def _print_memory(llm) -> None:
 def cmd_quantize(a) -> int:
     from llamajet.quant.quantize import quantize_model
 
-    def progress(done: int, total: int) -> None:
-        unit = "step" if a.method == "qat" else "layer"
+    def progress(done: int, total: int, unit: str | None = None) -> None:
+        unit = unit or ("step" if a.method == "qat" else "layer")
         print(f"\r{a.method}: {unit} {done}/{total}", end="" if done < total else "\n", file=sys.stderr, flush=True)
 
+    if a.calib is None and (a.method != "rtn" or a.bias_correction):
+        print(f"{a.method}: no --calib: calibrating on {a.calib_seqs} windows of {a.calib_len} tokens the model "
+              f"writes itself (seed {a.calib_seed})", file=sys.stderr, flush=True)
     print(quantize_model(a.input, a.output, a.scheme, force=a.force, method=a.method, calib=a.calib,
                          calib_seqs=a.calib_seqs, calib_len=a.calib_len, act_order=a.act_order, embed_scheme=a.embed_scheme,
                          scale_search=a.scale_search, bias_correction=a.bias_correction, report=a.report,
                          qat_steps=a.qat_steps, qat_lr=a.qat_lr, qat_len=a.qat_len,
+                         allow_requantize=a.allow_requantize, calib_seed=a.calib_seed,
                          progress=progress).format())
     if a.report:
         print(f"  report:  {a.report}/report.md (per-layer errors, plots)")
@@ -394,15 +398,25 @@ def build_parser() -> argparse.ArgumentParser:
                         "activation-aware input scales and clipping; awq-gptq: AWQ's scales, then GPTQ "
                         "(act-order); smoothquant: activation range moved into "
                         "the weights, for W8A8 (int8_pc); qat: fine-tuned through fake quantization, distilled "
-                        "from the float model (PyTorch); all but rtn need --calib")
-    q.add_argument("--calib", default=None, metavar="FILE", help="calibration text (not the text you evaluate on)")
+                        "from the float model (PyTorch); all but rtn calibrate on --calib FILE, or without it on "
+                        "text the model writes itself")
+    q.add_argument("--calib", default=None, metavar="FILE",
+                   help="calibration text (not the text you evaluate on); without it the calibrated methods "
+                        "calibrate on text the model writes itself, seeded (--calib-seed)")
+    q.add_argument("--calib-seed", type=int, default=0, help="seed of the self-written calibration text")
     q.add_argument("--calib-seqs", type=int, default=128, help="calibration windows (default: 128)")
     q.add_argument("--calib-len", type=int, default=512, help="tokens per calibration window (default: 512)")
-    q.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by decreasing salience")
+    q.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True,
+                   help="GPTQ: quantize columns by decreasing salience (default: on; --no-act-order for "
+                        "column order)")
     q.add_argument("--scale-search", action=argparse.BooleanOptionalAction, default=True,
                    help="GPTQ: each group's range shrunk by the factor of least rounding error (default: on)")
     q.add_argument("--embed-scheme", default=None, metavar="NAME",
-                   help="scheme of the token embedding and output head (default: --scheme), e.g. int8_g32")
+                   help="scheme of the token embedding and output head (default: --scheme when it has 8 bits; "
+                        "under a 4-bit scheme they keep their source type when it is quantized, else int8_g32)")
+    q.add_argument("--allow-requantize", action="store_true",
+                   help="round again weights that are already quantized (GGUF blocks, a saved scheme); "
+                        "without it such a conversion is refused, as it loses quality")
     q.add_argument("--bias-correction", action="store_true",
                    help="give each decoder matrix the bias that cancels its mean output shift on the "
                         "calibration inputs (any method; needs --calib)")

@@ -7,7 +7,9 @@ repack=True (the packed kernels, W*A8 or W*A16):
     passes placed them (compile_graph);
   - with `scheme`, every quantizable float matrix (MATRIX, EMBEDDING) is
     RTN-quantized to it by the C++ quantizer (bit for bit formats.packed's
-    numpy rule), on `n_threads` threads of tier `isa`;
+    numpy rule), on `n_threads` threads of tier `isa` -- except the token
+    embedding and the output head, which keep at least 8 bits when `scheme`
+    has fewer (head_scheme);
   - without `scheme`, float matrices (an HF checkpoint's) are RTN'd to
     `float_scheme` (RuntimeConfig.float_scheme: int8_g32 by default);
   - weights already packed (a saved model) pass through as mapped, unless
@@ -27,7 +29,7 @@ from llamajet import ops
 from llamajet.errors import LlamajetError
 from llamajet.formats.gguf_blocks import LOSSLESS
 from llamajet.formats.pending import deferred_twin
-from llamajet.formats.schemes import rtn_scheme
+from llamajet.formats.schemes import QuantScheme, get_scheme, rtn_scheme
 from llamajet.formats.layout import BlockFormat, FloatFormat, get_format
 from llamajet.formats.weight import Kind, Weight, float_weight
 
@@ -44,6 +46,7 @@ def prepare_weights(weights: dict[str, Weight], *, repack: bool = True, scheme: 
     fsch = rtn_scheme(float_scheme) if float_scheme and not scheme else None
     out = {}
     for name, w in weights.items():
+        wsch = head_scheme(w, sch) if sch is not None and is_head(w) else sch
         if w.kind in (Kind.NORM, Kind.BIAS) and w.dtype != "f32":
             out[name] = float_weight(name, w.kind, w.to_f32())
         elif not w.kind.quantizable:
@@ -52,7 +55,7 @@ def prepare_weights(weights: dict[str, Weight], *, repack: bool = True, scheme: 
             if isinstance(w.format, BlockFormat) and not w.format.native:  # no kernel reads these blocks
                 w = Weight(name, w.kind, get_format("f32"), w.shape, w.to_f32(), w.rope_interleaved)
             out[name] = w
-        elif (target := _rtn_target(w, sch, fsch)) is not None:
+        elif (target := _rtn_target(w, wsch, fsch)) is not None:
             out[name] = w.with_data(name, target, w.shape, _rtn(target, w, isa, n_threads, release))
         elif w.dtype in LOSSLESS:
             out[name] = deferred_twin(w)  # written once, into its final buffer (formats/pending.py)
@@ -63,10 +66,40 @@ def prepare_weights(weights: dict[str, Weight], *, repack: bool = True, scheme: 
 
 def _rtn_target(w: Weight, sch, fsch):
     """The scheme quantizable weight w is RTN'd to, or None: `scheme` for every
-    weight not already in it, else float_scheme for float matrices."""
+    weight not already in it (GGUF blocks whose lossless twin it is are
+    repacked, not rounded again), else float_scheme for float matrices."""
     if sch is not None:
-        return None if w.packed and w.scheme == sch else sch
+        if w.packed:
+            return None if w.scheme == sch else sch
+        return None if LOSSLESS.get(w.dtype) == sch.name else sch
     return fsch if isinstance(w.format, FloatFormat) else None
+
+
+HEAD_SCHEME = "int8_g32"  # the Q8_0 layout: what float embeddings / heads keep under a 4-bit scheme
+
+
+def is_head(w: Weight) -> bool:
+    """The token embedding and the (untied) output head: one row looked up per token, and the
+    matrix whose error reaches every logit. A tied model's head is its embedding."""
+    return w.kind is Kind.EMBEDDING or w.name == "output"
+
+
+def head_scheme(w: Weight, sch: QuantScheme) -> QuantScheme:
+    """The scheme the embedding / output head `w` takes when the model is quantized to `sch` and
+    no scheme was named for them: `sch` itself when it has 8 bits or more; else the weight's own
+    type when it is already quantized in a type the kernels hold without loss (a GGUF Q8_0 / Q4_1
+    / Q6_K ... table, a saved model's scheme: rounding it again cannot restore what its first
+    rounding lost, and keeps its size); else int8_g32 (float tables; the GGUF types without a
+    twin, dequantized at load). Measured on SmolLM2 (issue 45, docs/quantization.md): RTN
+    int4_sym_g128 with the head at int4 is PPL 62.87, with it kept at 8 bits 50.70 (float 34.97);
+    llama.cpp's 4-bit mixes likewise keep the output matrix at Q6_K or better."""
+    if sch.bits >= 8:
+        return sch
+    if w.packed:
+        return w.scheme
+    if w.dtype in LOSSLESS:
+        return get_scheme(LOSSLESS[w.dtype])
+    return rtn_scheme(HEAD_SCHEME)
 
 
 _SLAB = 2048  # rows quantized per call: one slab's fp32 copy is the transient (16 MB at K = 2048)

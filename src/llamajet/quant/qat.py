@@ -226,7 +226,7 @@ def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
 def qat_train(model, windows: list[list[int]], scheme: QuantScheme, *, steps: int = 300, lr: float = 1e-4,
               seq_len: int | None = None, batch: int = 1, embed_scheme: QuantScheme | None = None,
               progress: Callable[[int, int], None] | None = None, seed: int = 0,
-              threads: int | None = None) -> QATResult:
+              threads: int | None = None, keep_head: bool = False) -> QATResult:
     """QAT of `model` (a LoadedModel) for `steps` AdamW steps (weight decay 0,
     betas 0.9/0.95, lr warmup over 5% of the steps then cosine to lr/10) of
     `batch` windows each, the windows (cropped to `seq_len` tokens, default:
@@ -242,17 +242,21 @@ def qat_train(model, windows: list[list[int]], scheme: QuantScheme, *, steps: in
     threads_before = torch.get_num_threads()
     torch.set_num_threads(threads or 2)
     try:
-        return _train(model, data, scheme, steps, lr, batch, embed_scheme or scheme, progress, seed)
+        return _train(model, data, scheme, steps, lr, batch, None if keep_head else (embed_scheme or scheme),
+                      progress, seed)
     finally:
         torch.set_num_threads(threads_before)
 
 
 def _train(model, data: torch.Tensor, scheme: QuantScheme, steps: int, lr: float, batch: int,
-           frozen_sch: QuantScheme, progress, seed: int) -> QATResult:
+           frozen_sch: QuantScheme | None, progress, seed: int) -> QATResult:
     T = data.shape[1]
     tm = TorchModel(model, T)
     teacher = tm.float
-    student_fixed = {n: fake_quant(teacher[n], frozen_sch) for n in ("token_embd", "output") if n in teacher}
+    # frozen_sch None (keep_head): the embedding / head are saved as the source holds them (a Q8_0 table
+    # repacked without loss), so the student sees exactly the teacher's values
+    student_fixed = {n: teacher[n] if frozen_sch is None else fake_quant(teacher[n], frozen_sch)
+                     for n in ("token_embd", "output") if n in teacher}
     names = trained_names(tm.config)
     params = {n: teacher[n].clone().requires_grad_(True) for n in names}
     opt = torch.optim.AdamW(params.values(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0, fused=True)

@@ -31,6 +31,7 @@ import numpy as np
 from llamajet import ops
 from llamajet.errors import LlamajetError
 from llamajet.formats import saved
+from llamajet.formats.convert import head_scheme, is_head
 from llamajet.formats.gguf_blocks import LOSSLESS
 from llamajet.formats.layout import FLOATS
 from llamajet.formats.saved import META_FILE, WEIGHTS_FILE, SavedTensor
@@ -99,6 +100,60 @@ def _plan(w: Weight, sch: QuantScheme | None) -> tuple[SavedTensor, str]:
     return requant(sch), f"RTN {w.dtype}->{sch.name}"
 
 
+# --- re-quantization ---------------------------------------------------------------------
+
+FLOAT_TYPES = ("f32", "f16", "bf16")
+
+
+def source_types(model: LoadedModel) -> dict[str, str]:
+    """name -> the type each weight has in the source file: the GGUF tensor type (the block
+    types without a packed twin -- Q2_K, Q3_K, IQ* -- are f32 in memory, dequantized at load,
+    but their values are still a quantizer's output), else the dtype as loaded."""
+    types = {name: w.dtype for name, w in model.weights.items()}
+    reader = model.gguf_reader
+    if reader is not None:
+        from llamajet.model import registry
+
+        spec = registry.get(model.config.architecture)
+        for t in reader.tensors:
+            mapped = spec.from_gguf(t.name)
+            if mapped is not None and mapped[0] in types:
+                types[mapped[0]] = t.tensor_type.name.lower()
+    return types
+
+
+def _lossless(w: Weight, target: QuantScheme | None) -> bool:
+    """w goes to `target` without a value changing (None: kept as it is)."""
+    if target is None:
+        return True
+    if w.packed:
+        return w.scheme == target
+    return LOSSLESS.get(w.dtype) == target.name
+
+
+def check_requantize(model: LoadedModel, src: Path, targets: dict[str, QuantScheme | None], scheme: str) -> None:
+    """Refuse to round again weights that a quantizer already rounded (as llama-quantize does
+    without --allow-requantize): the second rounding adds its error to the first's, and what the
+    first lost cannot come back (SmolLM2's Q4_1 re-quantized to int4_sym_g64: perplexity +58.6%).
+    `targets`: name -> the scheme each quantizable weight would be written in."""
+    types = source_types(model)
+    lossy = {n: types[n] for n, t in targets.items()
+             if types[n] not in FLOAT_TYPES and not _lossless(model.weights[n], t)}
+    if not lossy:
+        return
+    kinds = sorted(set(lossy.values()))
+    twins = sorted({LOSSLESS[k] for k in kinds if k in LOSSLESS})
+    names = ", ".join(list(lossy)[:3]) + (", ..." if len(lossy) > 3 else "")
+    raise LlamajetError(
+        f"{src}: {len(lossy)} of its {len(targets)} matrices are already quantized ({', '.join(kinds)}: {names}); "
+        f"re-quantizing them to {scheme} rounds values that were rounded once already: the two errors add up "
+        f"and what the first rounding lost cannot come back (perplexity grows far more than from the float "
+        f"weights). Quantize the float checkpoint instead (an HF folder, or an F32/F16/BF16 GGUF), "
+        f"or keep these weights as they are: --scheme keep"
+        + (f" (or {' / '.join(twins)}, their lossless twin{'s' if len(twins) > 1 else ''})" if twins else "")
+        + "; --allow-requantize does it anyway")
+
+
 # --- tokenizer ----------------------------------------------------------------------
 
 
@@ -148,20 +203,18 @@ def _method(method: str, sch: QuantScheme, model: LoadedModel, act_order: bool, 
     return RTN(sch, model.weights)
 
 
-def _qat(model, tok, calib, seqs, length, sch, emb_sch, steps, lr, qat_len, progress):
+def _qat(model, windows, sch, emb_sch, steps, lr, qat_len, progress):
     """QAT's trained weights as a Calibrated: the linears packed by RTN, the norms as trained."""
     try:
         from llamajet.quant.qat import qat_train
     except ImportError:
         raise LlamajetError("method qat needs PyTorch: pip install 'llamajet[qat]'") from None
     from llamajet.formats.packed import quantize_rtn
-    from llamajet.quant.calibrate import Calibrated, calibration_windows
+    from llamajet.quant.calibrate import Calibrated
 
-    if steps < 1:
-        raise LlamajetError("QAT needs at least 1 step")
-    windows = calibration_windows(tok, Path(calib).read_text(encoding="utf-8"), seqs, length)
+    emb = model.weights["token_embd"]
     res = qat_train(model, windows, sch, steps=steps, lr=lr, seq_len=qat_len, embed_scheme=emb_sch,
-                    progress=progress)
+                    progress=progress, keep_head=_lossless(emb, emb_sch))
     cal = Calibrated()
     for name, v in res.weights.items():
         w = model.weights[name]
@@ -207,9 +260,10 @@ def write_outlier_plan(folder: str | Path, model: LoadedModel | None = None) -> 
 
 def quantize_model(src: str | Path, out: str | Path, scheme: str, force: bool = False, method: str = "rtn",
                    calib: str | Path | None = None, calib_seqs: int = 128, calib_len: int = 512,
-                   act_order: bool = False, embed_scheme: str | None = None, scale_search: bool = True,
+                   act_order: bool = True, embed_scheme: str | None = None, scale_search: bool = True,
                    bias_correction: bool = False, report: str | Path | None = None,
                    qat_steps: int = 120, qat_lr: float = 1e-4, qat_len: int = 256,
+                   allow_requantize: bool = False, calib_seed: int = 0,
                    progress=None) -> QuantizeSummary:
     """Convert the checkpoint ``src`` (HF folder, GGUF, or a saved model) into a
     saved llamajet model in folder ``out`` (see the module docstring).
@@ -217,6 +271,14 @@ def quantize_model(src: str | Path, out: str | Path, scheme: str, force: bool = 
     decoder matrices against calibration inputs from the text file `calib`
     (calib_seqs windows of calib_len tokens), layer after layer
     (quant/calibrate.py); embeddings and the other tensors go as with RTN.
+    Without `calib` they calibrate on text the model writes itself
+    (quant/selfcalib.py, seeded by calib_seed: the same folder every time).
+    embed_scheme: the token embedding's and output head's scheme; None keeps
+    them at 8 bits or their source type under a scheme of fewer bits
+    (formats/convert.head_scheme). Weights a quantizer already rounded are
+    not rounded again unless allow_requantize (check_requantize).
+    act_order: GPTQ's column order by decreasing salience (default on: the
+    better setting on every measured row).
     bias_correction (any method; needs calib) gives each decoder matrix the
     bias that cancels its mean output shift on the calibration inputs.
     report: a folder for the per-layer report (quant/report.py).
@@ -234,29 +296,55 @@ def quantize_model(src: str | Path, out: str | Path, scheme: str, force: bool = 
         what = f"method {method}" if method in CALIBRATED else ("bias correction" if bias_correction else "--report")
         if sch is None:
             raise LlamajetError(f"{what} needs a scheme to quantize to, not {KEEP!r}")
-        if calib is None or not Path(calib).is_file():
-            raise LlamajetError(f"{what} needs --calib FILE, a text file to calibrate on (got {calib})")
+        if calib is not None and not Path(calib).is_file():
+            raise LlamajetError(f"--calib {calib}: no such file (a text file to calibrate on; without "
+                                f"--calib, {what} calibrates on text the model writes itself)")
         if calib_seqs < 1 or calib_len < 16:
             raise LlamajetError("calibration needs at least 1 window of at least 16 tokens")
+    if method == "qat" and (bias_correction or report is not None):
+        raise LlamajetError("--bias-correction and --report are for the calibrated PTQ methods, not qat")
+    if method == "qat" and qat_steps < 1:
+        raise LlamajetError("QAT needs at least 1 step")
     _check_out(src, out, force)
     model = load_model(src)  # before touching out: a bad input leaves nothing behind
+    if calibrated_run and calib_len > model.config.max_position_embeddings:
+        raise LlamajetError(f"--calib-len {calib_len} is longer than the model's context "
+                            f"({model.config.max_position_embeddings} tokens)")
+    # The token embedding and the output head (tied or not) take their own scheme: by default at
+    # least 8 bits (formats/convert.head_scheme, the rule LLM(path, quantize=S) follows at load):
+    # a lookup gains nothing from calibration, and the head's error reaches every logit.
+    emb_fixed = check_scheme(embed_scheme) if embed_scheme is not None else None
+
+    def emb_sch(w: Weight) -> QuantScheme | None:
+        if embed_scheme is not None:
+            return emb_fixed
+        return None if sch is None else head_scheme(w, sch)
+
+    def target(w: Weight) -> QuantScheme | None:
+        return emb_sch(w) if is_head(w) else sch
+
+    if not allow_requantize:  # before any calibration: refused in seconds, not after minutes
+        check_requantize(model, src, {n: target(w) for n, w in model.weights.items() if w.kind.quantizable}, scheme)
     tok = _source_tokenizer(model, src)
     config = _bias_config(model) if bias_correction else model.config
-    # The token embedding and the output head (tied or not) may take their own scheme, as llama.cpp's
-    # mixes keep the output matrix at Q6_K: a lookup gains nothing from calibration, and the head's
-    # error reaches every logit.
-    emb_sch = check_scheme(embed_scheme) if embed_scheme is not None else sch
     from llamajet.quant.calibrate import Calibrated
     from llamajet.quant.report import smoothing_meta
     cal = Calibrated()
-    if method == "qat" and (bias_correction or report is not None):
-        raise LlamajetError("--bias-correction and --report are for the calibrated PTQ methods, not qat")
-    if method == "qat":
-        cal = _qat(model, tok, calib, calib_seqs, calib_len, sch, emb_sch, qat_steps, qat_lr, qat_len, progress)
-    elif calibrated_run:
-        from llamajet.quant.calibrate import calibration_windows, sequential
+    windows = None
+    if calibrated_run or method == "qat":
+        from llamajet.quant.calibrate import calibration_windows
 
-        windows = calibration_windows(tok, Path(calib).read_text(encoding="utf-8"), calib_seqs, calib_len)
+        if calib is not None:
+            windows = calibration_windows(tok, Path(calib).read_text(encoding="utf-8"), calib_seqs, calib_len)
+        else:
+            from llamajet.quant.selfcalib import self_generated_windows
+
+            windows = self_generated_windows(src, tok, calib_seqs, calib_len, seed=calib_seed, progress=progress)
+    if method == "qat":
+        cal = _qat(model, windows, sch, emb_sch(model.weights["token_embd"]), qat_steps, qat_lr, qat_len, progress)
+    elif calibrated_run:
+        from llamajet.quant.calibrate import sequential
+
         cal = sequential(model, windows, _method(method, sch, model, act_order, scale_search), progress,
                          bias_correction=bias_correction, report_scheme=sch if report is not None else None)
     label = method + ("+bc" if bias_correction else "")
@@ -270,7 +358,7 @@ def quantize_model(src: str | Path, out: str | Path, scheme: str, force: bool = 
             v = cal.floats[w.name]
             return SavedTensor(w.name, w.kind, FLOATS["f32"], tuple(w.shape), w.rope_interleaved, lambda: v), \
                 f"{w.kind.value}s {'corrected' if w.kind is Kind.BIAS else 'trained' if method == 'qat' else 'smoothed'} (f32)"
-        return _plan(w, emb_sch if (w.kind is Kind.EMBEDDING or w.name == "output") else sch)
+        return _plan(w, target(w))
 
     plans = [plan(w) for w in model.weights.values()]
     for name, v in cal.floats.items():  # biases the correction added
