@@ -20,6 +20,12 @@ def _kind(f: dataclasses.Field):
     return bool if t.startswith("bool") else int if t.startswith("int") else str
 
 
+def runtime_flags(name: str) -> tuple[str, ...]:
+    """The command-line flags of RuntimeConfig field `name` (README's options table shows them)."""
+    f = next(f for f in dataclasses.fields(RuntimeConfig) if f.name == name)
+    return f.metadata.get("flags") or ("--" + f.name.replace("_", "-"),)
+
+
 def add_runtime_args(p: argparse.ArgumentParser, *, only: Iterable[str] | None = None,
                      skip: Iterable[str] = (), defaults: dict | None = None) -> None:
     """Adds a flag for every RuntimeConfig field (or those in `only`, less
@@ -30,7 +36,7 @@ def add_runtime_args(p: argparse.ArgumentParser, *, only: Iterable[str] | None =
         if (only is not None and f.name not in only) or f.name in skip:
             continue
         default = defaults.get(f.name, f.default)
-        flags = f.metadata.get("flags") or ("--" + f.name.replace("_", "-"),)
+        flags = runtime_flags(f.name)
         kw: dict = {"dest": _PREFIX + f.name, "default": default}
         if _kind(f) is bool:
             kw["action"] = argparse.BooleanOptionalAction
