@@ -25,6 +25,12 @@ PPL, KL vs float, top-1, weights MB and bits/weight as the kernels read
 them, quantize time, and single-stream prefill/decode tok/s under the row's
 kernels (eval/quality.speed: another prompt each round, cache emptied).
 Quantized folders are written under --out and reused when present.
+Since issue 45, quantize_model keeps the embedding/head at 8 bits by default
+under a 4-bit scheme and runs GPTQ with act-order unless told otherwise; the
+rows pin what they measure (act_order=False on the plain GPTQ row; the 'all
+int4' row names the embedding's scheme). The stories rows in
+docs/quantization.md were measured before that, with the embedding at each
+row's scheme; a rerun gives them with the int8 embedding.
 """
 
 from __future__ import annotations
@@ -47,7 +53,8 @@ def rows_for(model: str):
          ("W8A8 per token, SmoothQuant", {"scheme": "int8_pc", "method": "smoothquant", **cal}, {"kernels": "fast"}),
          ("INT4 g128 sym RTN", {"scheme": "int4_sym_g128", **e8}, {"kernels": "a16"}),
          ("INT4 g128 asym RTN", {"scheme": "int4_asym_g128", **e8}, {"kernels": "a16"}),
-         ("INT4 g128 sym GPTQ", {"scheme": "int4_sym_g128", "method": "gptq", **e8, **cal}, {"kernels": "a16"}),
+         ("INT4 g128 sym GPTQ", {"scheme": "int4_sym_g128", "method": "gptq", "act_order": False, **e8, **cal},
+          {"kernels": "a16"}),
          ("INT4 g128 sym GPTQ act-order", {"scheme": "int4_sym_g128", "method": "gptq", "act_order": True, **e8, **cal},
           {"kernels": "a16"}),
          ("INT4 g128 asym GPTQ act-order", {"scheme": "int4_asym_g128", "method": "gptq", "act_order": True, **e8,
@@ -60,7 +67,8 @@ def rows_for(model: str):
          ("INT4 g16 asym RTN", {"scheme": "int4_asym_g16", **e8}, {"kernels": "a16"}),
          ("INT4 g128 sym QAT", {"scheme": "int4_sym_g128", "method": "qat", **e8, **cal}, {"kernels": "a16"})]
     if model == "smollm2":
-        r.insert(4, ("INT4 g128 sym RTN, all int4 (embedding too)", {"scheme": "int4_sym_g128"}, {"kernels": "a16"}))
+        r.insert(4, ("INT4 g128 sym RTN, all int4 (embedding too)", {"scheme": "int4_sym_g128",
+                                                                    "embed_scheme": "int4_sym_g128"}, {"kernels": "a16"}))
         r.append(("W4A8 g32: the default path (Q4_1 as is)", None, {"kernels": "fast"}))
     else:
         r.append(("W4A8 g32 (int4_sym_g32 RTN)", {"scheme": "int4_sym_g32"}, {"kernels": "fast"}))
@@ -118,7 +126,9 @@ def main(argv=None) -> int:
                 if q.pop("calib", False):
                     q.update(calib=calib, calib_seqs=a.calib_seqs, calib_len=calib_len)
                 t0 = time.perf_counter()
-                quantize_model(src, folder, force=True, **q)
+                # SmolLM2's file is Q4_1: every scheme but its twin re-quantizes it (the float reference
+                # is its dequantized values, so each row shows the error added to them)
+                quantize_model(src, folder, force=True, allow_requantize=True, **q)
                 (folder / "seconds").write_text(f"{time.perf_counter() - t0:.1f}")
             path, secs = folder, float((folder / "seconds").read_text())
         results.append({"row": name, "path": str(path), "opts": lopts, "quantize_s": secs})

@@ -31,10 +31,11 @@ ROOT = Path(__file__).resolve().parents[1]
 WIKI = ROOT / ".." / "shared" / "data" / "corpora" / "wikitext-2-raw-test.txt"
 
 RUNS = {  # name -> (source, quantize arguments)
+    # SmolLM2's only file is Q4_1: quantizing it to another scheme is a re-quantization
     "smollm2-gptq": ("smollm2", ["--scheme", "int4_sym_g128", "--method", "gptq", "--act-order",
-                                 "--embed-scheme", "int8_g32", "--calib-seqs", "128"]),
+                                 "--embed-scheme", "int8_g32", "--calib-seqs", "128", "--allow-requantize"]),
     "smollm2-awq": ("smollm2", ["--scheme", "int4_sym_g128", "--method", "awq",
-                                "--embed-scheme", "int8_g32", "--calib-seqs", "128"]),
+                                "--embed-scheme", "int8_g32", "--calib-seqs", "128", "--allow-requantize"]),
     "1b-gptq": ("1b", ["--scheme", "int4_sym_g128", "--method", "gptq", "--act-order",
                        "--embed-scheme", "int8_g32", "--calib-seqs", "64"]),
 }
