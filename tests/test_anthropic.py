@@ -35,10 +35,9 @@ LONG = [{"role": "user", "content": "Write a very long story about a dragon."}] 
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2_gguf):
-    srv = LiveServer(LLM(smollm2_gguf, max_model_len=1024, max_num_seqs=8))
-    yield srv
-    srv.close()
+def smol(default_server):
+    """The session's shared default-model server (conftest.py: context 1024, 8 sequences)."""
+    return default_server
 
 
 @pytest.fixture(scope="module")

@@ -17,16 +17,13 @@ from llamajet import LLM, CompletionOutput, RequestError, RequestOutput, Samplin
 
 openai = pytest.importorskip("openai")
 
-from serverlib import LiveServer  # noqa: E402
-
 M = "test-model"
 
 
 @pytest.fixture(scope="module")
-def srv(smollm2_gguf):
-    s = LiveServer(LLM(smollm2_gguf, max_model_len=512, max_num_seqs=8))
-    yield s
-    s.close()
+def srv(default_server):
+    """The session's shared default-model server (conftest.py: context 1024, 8 sequences)."""
+    return default_server
 
 
 @pytest.fixture(scope="module")

@@ -91,10 +91,9 @@ def browser():
 
 
 @pytest.fixture(scope="module")
-def srv(smollm2_gguf):
-    s = LiveServer(LLM(smollm2_gguf, max_model_len=1024, max_num_seqs=4))
-    yield s
-    s.close()
+def srv(default_server):
+    """The session's shared default-model server (conftest.py: context 1024, 8 sequences)."""
+    return default_server
 
 
 @pytest.fixture(scope="module")

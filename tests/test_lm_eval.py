@@ -18,11 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llamajet import LLM
-
 lm_eval = pytest.importorskip("lm_eval")
-
-from serverlib import LiveServer  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data" / "lm_eval"
 M = "test-model"
@@ -62,10 +58,9 @@ metric_list:
 
 
 @pytest.fixture(scope="module")
-def srv(smollm2_gguf):
-    s = LiveServer(LLM(smollm2_gguf, max_model_len=1024, max_num_seqs=8))
-    yield s
-    s.close()
+def srv(default_server):
+    """The session's shared default-model server (conftest.py: context 1024, 8 sequences)."""
+    return default_server
 
 
 @pytest.fixture(scope="module")

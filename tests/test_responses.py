@@ -17,15 +17,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llamajet import LLM
-
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("agents")
 
 from openai.types.responses import Response, ResponseStreamEvent  # noqa: E402
 from pydantic import TypeAdapter  # noqa: E402
-from serverlib import LiveServer, idle as _idle, wait as _wait  # noqa: E402
+from serverlib import idle as _idle, wait as _wait  # noqa: E402
 
 from llamajet.server.response_store import ResponseStore  # noqa: E402
 
@@ -46,10 +44,9 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2_gguf):
-    srv = LiveServer(LLM(smollm2_gguf, max_model_len=1024, max_num_seqs=8))
-    yield srv
-    srv.close()
+def smol(default_server):
+    """The session's shared default-model server (conftest.py: context 1024, 8 sequences)."""
+    return default_server
 
 
 def _err(r: httpx.Response, status: int, param: str | None = "-") -> dict:
