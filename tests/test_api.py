@@ -198,3 +198,13 @@ def test_bench_reports_a_worker_that_dies_instead_of_hanging():
     b.close()
     with pytest.raises(SystemExit, match=r"the yardstick worker died \(exit code 3\)"):
         _Checked(a, "yardstick", pr).recv()
+
+
+def test_logprob_tokens_read_as_the_text_reads_on_a_sentencepiece_model(stories):
+    """Logprob.decoded_token is the token's text in the stream (engine/output.token_piece, as the
+    server's logprobs): a SentencePiece decode([id]) drops a piece's leading space, so the chosen
+    tokens' texts would not add up to the completion."""
+    out = stories.generate("Once upon a time", SamplingParams(max_tokens=12, temperature=0, logprobs=2))[0].outputs[0]
+    chosen = [d[t].decoded_token for d, t in zip(out.logprobs, out.token_ids)]
+    assert "".join(chosen) == out.text
+    assert any(c.startswith(" ") for c in chosen)  # the case decode([id]) got wrong

@@ -19,7 +19,7 @@ from llamajet.engine.async_engine import AsyncEngine
 from llamajet.config import RuntimeConfig
 from llamajet.engine.embedder import POOLINGS, Embedder, Embeddings
 from llamajet.engine.engine import Engine, StreamEvent
-from llamajet.engine.output import ChoiceOutput, RequestOutputs
+from llamajet.engine.output import ChoiceOutput, RequestOutputs, token_piece
 from llamajet.engine.outliers import plan_file as outlier_plan_file
 from llamajet.engine.outliers import load_probe
 from llamajet.engine.outliers import save_plan as save_outlier_plan
@@ -311,15 +311,19 @@ class LLM:
         params = self._params(params, len(convs))
         for c, n in zip(convs, names):  # every conversation checked before any is rendered
             _check_conversation(c, n)
-        ids = [self.chat_ids(c, add_generation_prompt, name=n) for c, n in zip(convs, names)]
+        _check_flag(add_generation_prompt)
+        ids = [self._render(c, add_generation_prompt) for c in convs]
         return self.generate(ids, params)
 
     def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, *,
                  name: str = "messages") -> list[int]:
         """The token ids of `messages` rendered by the model's chat template."""
         _check_conversation(messages, name)
-        if not isinstance(add_generation_prompt, (bool, np.bool_)):
-            raise RequestError(f"add_generation_prompt={add_generation_prompt!r}: must be True or False")
+        _check_flag(add_generation_prompt)
+        return self._render(messages, add_generation_prompt)
+
+    def _render(self, messages: list[dict], add_generation_prompt) -> list[int]:
+        """chat_ids of a conversation its caller has checked."""
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=bool(add_generation_prompt))
         # The template writes BOS itself where the model wants one.
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -333,7 +337,7 @@ class LLM:
         return d
 
     def _piece(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return token_piece(self.tokenizer, token_id)[0]  # the server's logprob token text, the same function
 
     def _completion(self, c: ChoiceOutput) -> CompletionOutput:
         asked = any(t.logprob is not None for t in c.tokens)
@@ -450,6 +454,11 @@ def _token_ids(ids, name: str) -> list[int]:
         if not _is_int(t):
             raise RequestError(f"{name}[{j}]: token ids must be integers, got {type(t).__name__}")
     return [int(t) for t in ids]
+
+
+def _check_flag(add_generation_prompt) -> None:
+    if not isinstance(add_generation_prompt, (bool, np.bool_)):
+        raise RequestError(f"add_generation_prompt={add_generation_prompt!r}: must be True or False")
 
 
 def _check_conversation(messages, name: str) -> None:

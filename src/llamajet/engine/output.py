@@ -19,6 +19,15 @@ from dataclasses import dataclass, field
 from llamajet.engine.sequence import StreamEvent
 
 
+def token_piece(tokenizer, token_id: int) -> tuple[str, list[int]]:
+    """One token's text as it reads in a stream (invalid UTF-8 replaced: a byte-level token may hold
+    part of a character) and its bytes. From the token's bytes, not decode([id]): a SentencePiece
+    decode drops the leading space of a text's first piece, which a logprob's token must keep. The
+    server's logprobs and the Python API's Logprob.decoded_token both read it."""
+    b = tokenizer.token_bytes(token_id)
+    return b.decode("utf-8", errors="replace"), list(b)
+
+
 @dataclass(frozen=True)
 class TokenOut:
     """One generated token: its id, logprob and top alternatives (when the

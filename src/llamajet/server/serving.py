@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import Request
 
-from llamajet.engine.output import ChoiceOutput, RequestOutputs, TokenOut
+from llamajet.engine.output import ChoiceOutput, RequestOutputs, TokenOut, token_piece
 from llamajet.engine.sampling import SamplingParams
 from llamajet.engine.sequence import StreamEvent
 from llamajet.errors import LlamajetError, RequestError
@@ -398,9 +398,8 @@ def usage(n_prompt: int, n_out: int, cached: int) -> dict:
 
 
 def piece(llm, tok: int) -> tuple[str, list[int]]:
-    """A token's text (invalid UTF-8 replaced) and its bytes."""
-    b = llm.tokenizer.token_bytes(tok)
-    return b.decode("utf-8", errors="replace"), list(b)
+    """A token's text (invalid UTF-8 replaced) and its bytes (engine/output.token_piece)."""
+    return token_piece(llm.tokenizer, tok)
 
 
 def new_id(prefix: str) -> str:
