@@ -358,3 +358,44 @@ def test_the_memo_misses_on_any_changed_input(stories_hf, monkeypatch):
     g.weights[name] = dataclasses.replace(w, data=data)
     real(g, ids, **kw)
     assert outliers.PROBES_RUN[0] == runs + 2
+
+
+def test_the_probe_reads_no_table_row_past_its_tokens(stories_hf, monkeypatch):
+    """Why the memo's key holds only the first T rows of the RoPE tables and not max_pos (the
+    context): the maxima are bit-equal when the same model is probed with tables of 64 and of 512
+    positions (stories260K's limit), each probe run (the memo emptied in between); with the memo kept, another context is
+    a hit; and ids longer than max_pos still reach the step, which refuses them."""
+    from llamajet.config import RuntimeConfig
+    from llamajet.engine import outliers, runner
+    from llamajet.loaders import load_model
+
+    seen = []
+    real = outliers.input_absmax
+
+    def spy(graph, ids, **kw):
+        out = real(graph, ids, **kw)
+        seen.append((graph, ids, kw, out))
+        return out
+
+    monkeypatch.setattr(runner.find_outliers, "input_absmax", spy)
+    model = load_model(stories_hf)
+
+    def load(ctx):
+        runner.compile_graph(model, RuntimeConfig(max_model_len=ctx).for_model(model.config),
+                             probe_ids=list(range(3, 67)))
+        return seen[-1]
+
+    runs = outliers.PROBES_RUN[0]
+    for ctx in (64, 512):
+        monkeypatch.setattr(outliers, "_MEMO", type(outliers._MEMO)())
+        load(ctx)
+    assert outliers.PROBES_RUN[0] == runs + 2
+    (g64, ids, kw64, a), (_, _, kw512, b) = seen
+    assert (kw64["max_pos"], kw512["max_pos"]) == (64, 512) and a and a.keys() == b.keys()
+    for n in a:
+        np.testing.assert_array_equal(a[n], b[n])
+    c = load(256)[3]  # the memo holds the 512-position probe's maxima
+    assert outliers.PROBES_RUN[0] == runs + 2
+    assert c.keys() == a.keys() and all(np.array_equal(c[n], a[n]) for n in a)
+    with pytest.raises(ValueError, match="position"):
+        real(g64, list(range(3, 80)), **kw64)  # 77 positions, max_pos 64

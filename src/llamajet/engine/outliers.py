@@ -123,7 +123,9 @@ def input_absmax(graph: Graph, ids: list[int], *, isa: str, n_threads: int, max_
             kept.append(n)
             live.update(n.reads())
     probe.nodes = kept[::-1]
-    key = _probe_key(probe, ids, isa, n_threads, max_pos, block_size)
+    if len(ids) > max_pos:  # the step refuses positions past max_pos: let it say so
+        return _probe(probe, targets, ids, isa=isa, n_threads=n_threads, max_pos=max_pos, block_size=block_size)
+    key = _probe_key(probe, ids, isa, n_threads, block_size)
     with _MEMO_LOCK:
         hit = _MEMO.get(key)
         if hit is not None:
@@ -138,34 +140,51 @@ def input_absmax(graph: Graph, ids: list[int], *, isa: str, n_threads: int, max_
 
 
 # The probe is a pure function of the probe graph (nodes, tensors, the weights' bytes), the ids and
-# the executor's settings: a process that loads one model again (a test session loads the default
-# model dozens of times; a server restarting a model) gets the maxima of the last identical probe
-# instead of running it again (~0.5 s of SmolLM2-135M's load; hashing its weights ~0.05 s). The key
-# is a SHA-1 of all of that, weights included byte for byte, so a changed weight misses.
+# the executor's settings (ISA, threads, block size; max_pos: see POSITION_FIELDS): a process that
+# loads one model again (a test session loads the default model dozens of times; a server
+# restarting a model) gets the maxima of the last identical probe instead of running it again (~1 s
+# of SmolLM2-135M's load on a busy 2-core machine; the key's hash ~0.1 s). The key is a SHA-1 of all
+# of that, weights included byte for byte, so a changed weight misses.
 MEMO_ENTRIES = 8  # a few small dicts: one [width] float32 array per rewritable input
 _MEMO: OrderedDict[bytes, dict[str, np.ndarray]] = OrderedDict()
 _MEMO_LOCK = threading.Lock()
 PROBES_RUN = [0]  # probe steps run in this process (tests count them)
+# The RoPE tables (read as `cos` / `sin`) hold a row per position of the context (max_model_len),
+# row p being cos / sin(p * inv_freq) whatever the length (ops/ref.py rope_tables), and a step over
+# positions 0..T-1 reads rows 0..T-1 only; the executor's max_pos only bounds the positions. So the
+# key holds those T rows and not max_pos: loads at any context >= T share a probe (a test session
+# loads the default model at contexts 128 to 2048; tests/test_outliers.py checks two contexts'
+# maxima are equal when both probe).
+POSITION_FIELDS = {"cos", "sin"}
 
 
-def _probe_key(probe: Graph, ids, isa: str, n_threads: int, max_pos: int, block_size: int) -> bytes:
+def _probe_key(probe: Graph, ids, isa: str, n_threads: int, block_size: int) -> bytes:
+    T = len(ids)
     h = hashlib.sha1(usedforsecurity=False)
-    h.update(repr((list(map(int, ids)), isa, n_threads, max_pos, block_size, probe.outputs)).encode())
-    read = {}
+    h.update(repr((list(map(int, ids)), isa, n_threads, block_size, probe.outputs)).encode())
+    fields: dict[str, set[str]] = {}  # weight -> the operand fields it is read under
     for n in probe.nodes:
         h.update(repr((n.name, n.op, list(n.inputs.items()), list(n.outputs.items()))).encode())
         for a, v in sorted(n.attrs.items()):  # scalars and enums; an array by its bytes (repr elides)
             h.update(repr((a, v.dtype.str, v.shape) if isinstance(v, np.ndarray) else (a, v)).encode())
             if isinstance(v, np.ndarray):
                 h.update(memoryview(np.ascontiguousarray(v)).cast("B"))
-        for t in n.reads() + n.writes():
-            h.update(repr(probe.tensors[t]).encode())
+        for f, t in n.inputs.items():
             if t in probe.weights:
-                read[t] = probe.weights[t]
-    for name in sorted(read):
-        w = read[name]
-        h.update(repr((name, w.dtype, w.shape, w.kind, w.data.dtype.str, w.data.shape)).encode())
-        h.update(memoryview(np.ascontiguousarray(w.data)).cast("B"))
+                fields.setdefault(t, set()).add(f)
+            else:
+                h.update(repr(probe.tensors[t]).encode())
+        for t in n.writes():
+            h.update(repr(probe.tensors[t]).encode())
+    for name in sorted(fields):
+        w = probe.weights[name]
+        data = w.data
+        if fields[name] <= POSITION_FIELDS:  # a RoPE table: the rows of positions 0..T-1
+            data = data[:T]
+            h.update(repr((name, w.dtype, w.shape[1:], w.kind, data.dtype.str, data.shape)).encode())
+        else:
+            h.update(repr((name, w.dtype, w.shape, w.kind, data.dtype.str, data.shape)).encode())
+        h.update(memoryview(np.ascontiguousarray(data)).cast("B"))
     return h.digest()
 
 
