@@ -69,6 +69,11 @@ def cmd_generate(a) -> int:
         print(f"[llamajet] isa={llm.isa} threads={llm.n_threads} prompt={s.prompt_tokens} tok "
               f"prefill={pre:.1f} tok/s  decode={s.decode_tokens} tok at {dec:.1f} tok/s  "
               f"{busy_note(llm.engine.runner.thread_stats())}", file=sys.stderr)
+        st = llm.engine.stats
+        if st.spec_drafts:  # speculative decoding: how much of what was proposed was kept
+            print(f"[llamajet] speculative: {st.spec_accepted_tokens} of {st.spec_draft_tokens} proposed tokens "
+                  f"accepted ({100 * st.spec_accepted_tokens / max(st.spec_draft_tokens, 1):.0f}%), "
+                  f"{1 + st.spec_accepted_tokens / st.spec_drafts:.2f} tokens per verifying step", file=sys.stderr)
     return 0
 
 

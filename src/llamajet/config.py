@@ -494,6 +494,7 @@ KV_CACHE_DTYPES = ("f32", "f16", "bf16", "int8")
 # packed weights with float activations (W*A16), "reference" = weights as
 # loaded, dequantized in fp32 inside the matmul
 KERNELS = ("fast", "a16", "reference")
+SPECULATIVE = ("ngram",)  # proposers (engine/speculative.py)
 # what float checkpoints' matrices become at load by default (RuntimeConfig.float_scheme)
 FLOAT_CHECKPOINT_SCHEME = "int8_g32"
 DEFAULT_MAX_MODEL_LEN = 4096  # KV memory grows with it; models may allow more
@@ -590,6 +591,12 @@ class RuntimeConfig:
                                "add + RMSNorm with int8 on write, final norm in the LM head)")
     max_num_seqs: int = _option(64, "sequences computed together in one step")
     max_tokens_per_step: int = _option(256, "token budget of a step (prefill chunks + decode tokens)")
+    speculative: str | None = _option(
+        None, "speculative decoding: ngram (propose what followed the last tokens' earlier occurrence in the "
+        "prompt or output, verified in one step; the output is the same tokens, greedy or seeded) "
+        "(default: off)", choices=SPECULATIVE)
+    num_speculative_tokens: int = _option(
+        8, "speculative decoding: most tokens proposed per step for a sequence (adapts to its acceptance)")
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str):
@@ -602,7 +609,9 @@ class RuntimeConfig:
         v = self.act_outliers
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_ACT_OUTLIERS:
             bad("act_outliers", f"must be an integer in 0..{MAX_ACT_OUTLIERS}")
-        for name in ("block_size", "max_num_seqs", "max_tokens_per_step"):
+        if self.speculative not in (None,) + SPECULATIVE:
+            bad("speculative", f"use one of {', '.join(SPECULATIVE)} or None")
+        for name in ("block_size", "max_num_seqs", "max_tokens_per_step", "num_speculative_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 bad(name, "must be a positive integer")

@@ -227,6 +227,16 @@ class BlockManager:
         seq.block_table = []
         seq.num_cached_blocks = 0
 
+    def truncate(self, seq, num_tokens: int) -> None:
+        """Gives back seq's blocks past those that hold its first `num_tokens`
+        slots (last first, as free does): blocks taken for proposed tokens
+        that were rejected (speculative decoding). Their K/V is never read:
+        seq.num_computed ends before them."""
+        keep = self.blocks_for(num_tokens)
+        while len(seq.block_table) > keep:
+            self._release(self.blocks[seq.block_table.pop()])
+        seq.num_cached_blocks = min(seq.num_cached_blocks, keep)
+
     def take_copies(self) -> list[tuple[int, int]]:
         out, self.pending_copies = self.pending_copies, []
         return out

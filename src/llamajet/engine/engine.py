@@ -41,6 +41,7 @@ from llamajet.engine.runner import ModelRunner, StepBatch
 from llamajet.engine.sampling import SamplingParams, log_softmax, top_logprobs
 from llamajet.engine.scheduler import Scheduler
 from llamajet.engine.sequence import Sequence, Status, StreamEvent, TextStream
+from llamajet.engine.speculative import make_proposer
 from llamajet.errors import RequestError
 
 __all__ = ["Engine", "EngineStats", "RequestStats", "StreamEvent"]
@@ -69,6 +70,10 @@ class EngineStats:
     generated: int = 0           # tokens sampled
     kv_slots_used: int = 0       # sum over steps of slots in blocks held by running sequences
     kv_tokens_held: int = 0      # sum over steps of tokens those sequences hold
+    # speculative decoding (engine/speculative.py; vLLM's spec_decode_* counters)
+    spec_drafts: int = 0         # verifications of one or more proposed tokens
+    spec_draft_tokens: int = 0   # tokens proposed and computed
+    spec_accepted_tokens: int = 0  # proposed tokens that were the sequence's next tokens
 
 
 class Engine:
@@ -80,6 +85,7 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, max_num_seqs=runner.max_seqs, max_tokens=runner.max_tokens,
                                    max_rows=runner.max_out)
         self._all_rows = np.arange(runner.max_out, dtype=np.int32)
+        self.proposer = make_proposer(self.config.speculative, self.config.num_speculative_tokens)
         self._inbox: deque[tuple[str, Sequence]] = deque()  # from other threads, see post()
         self.lock = threading.Lock()  # see the module docstring
         self.last_stats = RequestStats()
@@ -184,6 +190,8 @@ class Engine:
 
     def _step(self) -> list[Sequence]:
         self._drain_inbox()
+        if self.proposer is not None:
+            self._propose()
         out = self.last_schedule = self.scheduler.schedule()
         if not out.scheduled:
             return []
@@ -200,13 +208,19 @@ class Engine:
         touched, row = [], 0  # rows come per sequence: its scored positions', then its sampling row
         for s, greedy in zip(out.scheduled, plain):
             seq = s.seq
-            seq.num_computed = s.start + s.num_tokens
+            k = len(s.draft)
+            seq.num_computed = s.start + s.num_tokens - k  # proposed tokens count once accepted (_verify)
             seq.num_tokens_run += s.num_tokens
-            self.blocks.cache_blocks(seq)
+            if not k:
+                self.blocks.cache_blocks(seq)
             if s.scored:
                 self._score_prompt(seq, s.scored, logits[row : row + len(s.scored)])
                 row += len(s.scored)
-            if s.logits:
+            if s.logits and k:
+                self._verify(seq, s.draft, logits[row : row + k + 1], argmax[row : row + k + 1] if greedy else None)
+                row += k + 1
+                touched.append(seq)
+            elif s.logits:
                 self._append(seq, logits[row], int(argmax[row]) if greedy else None, touched)
                 row += 1
                 touched.append(seq)
@@ -216,6 +230,42 @@ class Engine:
             st.kv_slots_used += len(seq.block_table) * self.blocks.block_size
             st.kv_tokens_held += seq.num_computed
         return touched
+
+    def _propose(self) -> None:
+        """Proposed next tokens for each running sequence at a decode step
+        (engine/speculative.py); none for one still in its prompt, scoring
+        it, or about to fork."""
+        limit = self.max_model_len
+        for seq in self.scheduler.running:
+            seq.draft = []
+            if seq.num_tokens - seq.num_computed == 1 and not seq.forks and seq.scoring_from is None:
+                room = limit - seq.num_tokens  # the last proposed token's position stays < max_model_len
+                if room > 0:
+                    seq.draft = self.proposer.propose(seq)[:room]
+
+    def _verify(self, seq: Sequence, draft: tuple[int, ...], rows: np.ndarray, greedy: np.ndarray | None) -> None:
+        """Emits seq's tokens from the rows of its last token and its
+        proposed ones, as plain decoding would (engine/speculative.py):
+        token j is drawn from row j by the sequence's own sampler, and row
+        j + 1 is used only while the drawn token equals proposed token j.
+        Then the blocks past the known tokens go back and the accepted ones
+        are offered to the prefix cache."""
+        accepted = 0
+        for j in range(len(draft) + 1):
+            self._append(seq, rows[j], int(greedy[j]) if greedy is not None else None)
+            if seq.finished or j == len(draft) or seq.token_ids[-1] != draft[j]:
+                break
+            seq.num_computed += 1  # proposed token j's K/V is that of the token now at its position
+            accepted += 1
+        st = self.stats
+        st.spec_drafts += 1
+        st.spec_draft_tokens += len(draft)
+        st.spec_accepted_tokens += accepted
+        seq.spec.update(len(draft), accepted)
+        seq.draft = []
+        if not seq.finished:
+            self.blocks.truncate(seq, seq.num_tokens)
+            self.blocks.cache_blocks(seq)
 
     def _fork(self, seq: Sequence, logits: np.ndarray, touched: list[Sequence] | None) -> None:
         """Starts seq's other choices at its first draw: each shares seq's

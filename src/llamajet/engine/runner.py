@@ -231,14 +231,18 @@ class ModelRunner:
                 seq_of.append(i)
             else:
                 pos = np.arange(start, start + n)
-                tokens.extend(s.seq.token_ids[start : start + n])
+                if s.draft:  # the known tokens, then the proposed ones after them
+                    tokens.extend(s.seq.token_ids[start : start + n - len(s.draft)])
+                    tokens.extend(s.draft)
+                else:
+                    tokens.extend(s.seq.token_ids[start : start + n])
                 positions.extend(pos.tolist())
                 slots.extend(kv_slot(table, pos, bs).tolist())
                 seq_of.extend([i] * n)
             if s.scored:  # the batch index of position p is base + p
                 base = len(tokens) - n - start
                 out_rows.extend(range(base + s.scored.start, base + s.scored.stop))
-            if s.logits:
-                out_rows.append(len(tokens) - 1)
+            if s.logits:  # the last known token's row, then each proposed token's
+                out_rows.extend(range(len(tokens) - 1 - len(s.draft), len(tokens)))
         i32 = ops.i32
         return StepBatch(i32(tokens), i32(positions), i32(slots), i32(seq_of), tables, i32(out_rows))

@@ -47,12 +47,15 @@ class ScheduledSeq:
     num_tokens: int   # tokens computed this step: positions start .. start + num_tokens - 1
     logits: bool      # the chunk reaches the last known token: sample the next one (never when score-only)
     scored: range = range(0)  # positions whose rows score the prompt token after them (prompt_logprobs)
+    # proposed tokens computed after the last known one (speculative decoding; only with logits): they
+    # take positions start + num_tokens - len(draft) ..; each gets a row after the sampling row
+    draft: tuple[int, ...] = ()
 
     @property
     def num_rows(self) -> int:
         """Logits rows the step returns for it: the scored positions' in
-        order, then the sampling row."""
-        return len(self.scored) + self.logits
+        order, then the sampling row, then one per proposed token."""
+        return len(self.scored) + (1 + len(self.draft) if self.logits else 0)
 
 
 @dataclass
@@ -110,9 +113,16 @@ class Scheduler:
             # one row kept for each later running sequence: a scoring chunk
             # never holds back another sequence's next token
             later = len(self.running) - i - 1
-            chunk = self._chunk(seq, seq.num_computed, min(seq.num_tokens - seq.num_computed, budget), rows - later)
+            # proposed tokens ride along only on a decode step (the last known token is all that is left)
+            draft = seq.draft if seq.draft and seq.num_tokens - seq.num_computed == 1 else ()
+            chunk = self._chunk(seq, seq.num_computed, min(seq.num_tokens - seq.num_computed + len(draft), budget),
+                                rows - later, draft)
             n = chunk.num_tokens
             assert n > 0, "rows - later >= 1 (see the NOTE on rows)"
+            if chunk.draft and not self.blocks.allocate_slots(seq, seq.num_computed, seq.num_computed + n):
+                # proposed tokens never preempt anyone: without room for them, the plain decode token
+                chunk = self._chunk(seq, seq.num_computed, 1, rows - later)
+                n = chunk.num_tokens
             while not self.blocks.allocate_slots(seq, seq.num_computed, seq.num_computed + n):
                 victim = self.running.pop()  # the newest; never one scheduled already (index > i)
                 self._preempt(victim)
@@ -162,9 +172,14 @@ class Scheduler:
         return out
 
     @staticmethod
-    def _chunk(seq: Sequence, start: int, n: int, rows: int) -> ScheduledSeq:
+    def _chunk(seq: Sequence, start: int, n: int, rows: int, draft=()) -> ScheduledSeq:
         """seq's chunk of at most n tokens from `start`, cut so that it takes
-        at most `rows` logits rows (num_tokens 0: none fits)."""
+        at most `rows` logits rows (num_tokens 0: none fits). `draft`:
+        proposed tokens after the known ones (a decode step), kept as far as
+        the tokens and rows allow."""
+        if draft:
+            keep = max(0, min(len(draft), n - 1, rows - 1))
+            return ScheduledSeq(seq, start, 1 + keep if rows >= 1 else 0, rows >= 1, draft=tuple(draft[:keep]))
         end, scored = start + n, range(0)
         first = seq.scoring_from
         if first is not None:

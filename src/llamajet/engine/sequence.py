@@ -71,6 +71,10 @@ class Sequence:
         self.num_cached_tokens = 0           # prompt tokens served from the prefix cache at admission
         self.num_preemptions = 0
         self.num_tokens_run = 0              # tokens computed for it, summed over steps (recomputes count again)
+        # speculative decoding (engine/speculative.py): the tokens proposed for the next step (never in
+        # token_ids until verified) and the proposer's state
+        self.draft: list[int] = []
+        self.spec = None
         # With params.prompt_logprobs: entry p is None for p = 0, else (logprob
         # of prompt token p under the row of position p - 1, top-k ((id,
         # logprob), most likely first)), appended as prefill chunks complete.
