@@ -57,6 +57,8 @@ COUNTERS = {
     "llamajet:prompt_tokens_total", "llamajet:generation_tokens_total",
     "llamajet:request_success_total", "llamajet:num_preemptions_total",
     "llamajet:request_failure_total", "llamajet:http_requests_total",
+    "llamajet:spec_decode_num_drafts_total", "llamajet:spec_decode_num_draft_tokens_total",
+    "llamajet:spec_decode_num_accepted_tokens_total",
 }
 HISTOGRAMS = {
     "llamajet:time_to_first_token_seconds", "llamajet:inter_token_latency_seconds",

@@ -189,3 +189,26 @@ def test_sampled_distribution_is_the_targets(stories_hf):
     j = int(np.flatnonzero(keep)[np.argmax(q[keep])])  # a bin (the most likely one)
     wrong[list(np.flatnonzero(keep)).index(j)] = len(cond)
     assert float(((wrong - ex) ** 2 / ex).sum()) > crit
+
+
+def test_server_streams_the_same_text_and_counts_acceptance(pair):
+    """`serve --speculative ngram`: the openai client's streamed chat is the plain engine's reply,
+    and /metrics counts drafts, proposed and accepted tokens under vLLM's names."""
+    from serverlib import LiveServer
+
+    plain, spec = pair
+    srv = LiveServer(spec)
+    try:
+        m0 = {k: srv.metric(f"llamajet:spec_decode_num_{k}_total") for k in ("drafts", "draft_tokens",
+                                                                            "accepted_tokens")}
+        stream = srv.client().chat.completions.create(model="test-model", messages=REPEAT, max_tokens=80,
+                                                      temperature=0, stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert text == plain.chat(REPEAT, SamplingParams(max_tokens=80, temperature=0))[0].text
+        m1 = {k: srv.metric(f"llamajet:spec_decode_num_{k}_total") for k in m0}
+        assert m1["drafts"] > m0["drafts"] and m1["accepted_tokens"] > m0["accepted_tokens"]
+        assert m1["draft_tokens"] - m0["draft_tokens"] >= m1["accepted_tokens"] - m0["accepted_tokens"]
+        st = spec.engine.stats
+        assert m1["accepted_tokens"] == st.spec_accepted_tokens and m1["draft_tokens"] == st.spec_draft_tokens
+    finally:
+        srv.close()

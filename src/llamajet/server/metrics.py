@@ -54,10 +54,18 @@ class Metrics:
                           "Share of the compute threads' time in the steps since the last scrape spent waiting "
                           "rather than computing: a few percent on a quiet machine, far more when other programs "
                           "hold the cores", lab, registry=r)
+        # speculative decoding (engine/speculative.py), vLLM's spec_decode_* names
+        self.spec_drafts = Counter("llamajet:spec_decode_num_drafts", "Verifications of proposed tokens", lab,
+                                   registry=r)
+        self.spec_draft_tokens = Counter("llamajet:spec_decode_num_draft_tokens", "Tokens proposed and computed",
+                                         lab, registry=r)
+        self.spec_accepted = Counter("llamajet:spec_decode_num_accepted_tokens",
+                                     "Proposed tokens that were the sequence's next tokens", lab, registry=r)
+        self._spec_seen = (0, 0, 0)
         self._idle_seen = (0, 0)
         self._preempt_seen = 0
         for m in (self.prefix_queries, self.prefix_hits, self.prompt_tokens, self.generation_tokens,
-                  self.preemptions):
+                  self.preemptions, self.spec_drafts, self.spec_draft_tokens, self.spec_accepted):
             m.labels(model_name)  # exported at 0 before the first request
         for reason in ("stop", "length", "tool_calls", "abort"):
             self.success.labels(model_name, reason)
@@ -82,3 +90,10 @@ class Metrics:
             if n > self._preempt_seen:
                 self.preemptions.labels(m).inc(n - self._preempt_seen)
                 self._preempt_seen = n
+            st = engine.stats
+            now = (st.spec_drafts, st.spec_draft_tokens, st.spec_accepted_tokens)
+            for c, new, seen in zip((self.spec_drafts, self.spec_draft_tokens, self.spec_accepted), now,
+                                    self._spec_seen):
+                if new > seen:
+                    c.labels(m).inc(new - seen)
+            self._spec_seen = now
