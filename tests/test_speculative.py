@@ -5,6 +5,7 @@ prefix cache; the sampled distribution is the target's."""
 
 from __future__ import annotations
 
+import httpx
 import numpy as np
 import pytest
 
@@ -59,6 +60,11 @@ def test_greedy_output_is_bit_identical(pair, name):
 
 def test_seeded_sampling_is_bit_identical(pair):
     plain, spec = pair
+    d0 = spec.engine.stats.spec_drafts
+    ids = _ids(plain, REPEAT)
+    off = SamplingParams(max_tokens=40, temperature=0, speculative=False)  # a request that opts out
+    assert spec.generate(ids, off)[0].token_ids == plain.generate(ids, off)[0].token_ids
+    assert spec.engine.stats.spec_drafts == d0
     for conv in CONVS.values():
         ids = _ids(plain, conv)
         for seed in (1, 2, 3):
@@ -210,5 +216,13 @@ def test_server_streams_the_same_text_and_counts_acceptance(pair):
         assert m1["draft_tokens"] - m0["draft_tokens"] >= m1["accepted_tokens"] - m0["accepted_tokens"]
         st = spec.engine.stats
         assert m1["accepted_tokens"] == st.spec_accepted_tokens and m1["draft_tokens"] == st.spec_draft_tokens
+        # a request can opt out: the same text, nothing proposed for it
+        r = srv.client().chat.completions.create(model="test-model", messages=REPEAT, max_tokens=80,
+                                                 temperature=0, extra_body={"speculative": False})
+        assert r.choices[0].message.content == text
+        assert srv.metric("llamajet:spec_decode_num_drafts_total") == m1["drafts"]
+        bad = httpx.post(srv.url + "/v1/chat/completions", json={"model": "test-model", "messages": REPEAT,
+                                                                  "speculative": "sometimes"})
+        assert bad.status_code == 400 and "speculative" in bad.json()["error"]["message"]
     finally:
         srv.close()

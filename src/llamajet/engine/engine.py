@@ -238,7 +238,8 @@ class Engine:
         limit = self.max_model_len
         for seq in self.scheduler.running:
             seq.draft = []
-            if seq.num_tokens - seq.num_computed == 1 and not seq.forks and seq.scoring_from is None:
+            if (seq.num_tokens - seq.num_computed == 1 and not seq.forks and seq.scoring_from is None
+                    and seq.params.speculative):
                 room = limit - seq.num_tokens  # the last proposed token's position stays < max_model_len
                 if room > 0:
                     seq.draft = self.proposer.propose(seq)[:room]

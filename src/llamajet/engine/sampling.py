@@ -49,6 +49,7 @@ class SamplingParams:
     logprobs: int | None = None    # None: none; k >= 0: the chosen token's and the k most likely tokens'
     n: int = 1                     # choices from one prompt (computed once, KV blocks shared)
     prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's and the k most likely tokens'
+    speculative: bool = True       # False: no tokens proposed for it even when the engine speculates
 
     # Bounds on one request (a server refuses more with a 400).
     MAX_N = 16

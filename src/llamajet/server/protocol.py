@@ -119,6 +119,9 @@ class _Sampling(_Strict):
     n: int = Field(default=1, ge=1, le=SamplingParams.MAX_N)
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
+    # llamajet's: false opts this request out of speculative decoding (serve --speculative), which
+    # never changes the output, only its speed
+    speculative: bool = True
     user: str | None = None
     response_format: ResponseFormat | None = None
 

@@ -77,7 +77,7 @@ def openai_sampling(req, n_prompt: int, max_tokens: int | None, logprobs: int | 
         temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p, min_p=req.min_p,
         repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, seed=req.seed, stop=tuple(req.stop or ()),
-        ignore_eos=req.ignore_eos, logprobs=logprobs, n=req.n)
+        ignore_eos=req.ignore_eos, logprobs=logprobs, n=req.n, speculative=req.speculative)
 
 
 # ---------------------------------------------------------------- chat prompts and tools
