@@ -246,23 +246,19 @@ class _NodeList(list):
 
     def readers(self, tensor: str) -> list[Node] | None:
         """The nodes reading `tensor` in list order, or None when the index is off."""
-        if not self._sync():
-            return None
-        rs = self._readers.get(tensor)
-        if not rs:
-            return []
-        if len(rs) == 1:
-            return list(rs)
-        return sorted(rs, key=self.positions().__getitem__)
+        return self._ordered("_readers", tensor)
 
     def writers(self, tensor: str) -> list[Node] | None:
         """The nodes writing `tensor` in list order, or None when the index is off."""
-        if not self._sync():
+        return self._ordered("_writers", tensor)
+
+    def _ordered(self, index: str, tensor: str) -> list[Node] | None:
+        if not self._sync():  # (builds the index dicts on first use)
             return None
-        ws = self._writers.get(tensor)
-        if not ws:
+        ns = getattr(self, index).get(tensor)
+        if not ns:
             return []
-        return list(ws) if len(ws) == 1 else sorted(ws, key=self.positions().__getitem__)
+        return list(ns) if len(ns) == 1 else sorted(ns, key=self.positions().__getitem__)
 
     # -- mutations the index follows
 
