@@ -69,10 +69,18 @@ def _rtn_target(w: Weight, sch, fsch):
     weight not already in it (GGUF blocks whose lossless twin it is are
     repacked, not rounded again), else float_scheme for float matrices."""
     if sch is not None:
-        if w.packed:
-            return None if w.scheme == sch else sch
-        return None if LOSSLESS.get(w.dtype) == sch.name else sch
+        return None if lossless_to(w, sch) else sch
     return fsch if isinstance(w.format, FloatFormat) else None
+
+
+def lossless_to(w: Weight, sch: QuantScheme | None) -> bool:
+    """w becomes scheme `sch` without a value changing: it is packed in it already, or it holds GGUF
+    blocks whose packed twin `sch` is (None: kept as it is)."""
+    if sch is None:
+        return True
+    if w.packed:
+        return w.scheme == sch
+    return LOSSLESS.get(w.dtype) == sch.name
 
 
 HEAD_SCHEME = "int8_g32"  # the Q8_0 layout: what float embeddings / heads keep under a 4-bit scheme

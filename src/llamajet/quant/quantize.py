@@ -31,7 +31,7 @@ import numpy as np
 from llamajet import ops
 from llamajet.errors import LlamajetError
 from llamajet.formats import saved
-from llamajet.formats.convert import head_scheme, is_head
+from llamajet.formats.convert import head_scheme, is_head, lossless_to
 from llamajet.formats.gguf_blocks import LOSSLESS
 from llamajet.formats.layout import FLOATS
 from llamajet.formats.saved import META_FILE, WEIGHTS_FILE, SavedTensor
@@ -89,14 +89,10 @@ def _plan(w: Weight, sch: QuantScheme | None) -> tuple[SavedTensor, str]:
         return SavedTensor(w.name, w.kind, s, shape, inter,
                            lambda: ops.quantize_packed(s.code, s.group_for(shape[1]), w.to_f32()))
 
-    if sch is None or not w.kind.quantizable:  # keep (saved.kept), and norms / biases whatever the scheme
+    if not w.kind.quantizable or lossless_to(w, sch):  # keep (saved.kept), norms / biases, twins
         return saved.kept(w)
     if w.packed:
-        if w.scheme == sch:
-            return saved.kept(w)
         return requant(sch), f"re-quantized {w.scheme.name}->{sch.name}"
-    if w.dtype in LOSSLESS and sch.name == LOSSLESS[w.dtype]:
-        return saved.kept(w)
     return requant(sch), f"RTN {w.dtype}->{sch.name}"
 
 
@@ -122,15 +118,6 @@ def source_types(model: LoadedModel) -> dict[str, str]:
     return types
 
 
-def _lossless(w: Weight, target: QuantScheme | None) -> bool:
-    """w goes to `target` without a value changing (None: kept as it is)."""
-    if target is None:
-        return True
-    if w.packed:
-        return w.scheme == target
-    return LOSSLESS.get(w.dtype) == target.name
-
-
 def check_requantize(model: LoadedModel, src: Path, targets: dict[str, QuantScheme | None], scheme: str) -> None:
     """Refuse to round again weights that a quantizer already rounded (as llama-quantize does
     without --allow-requantize): the second rounding adds its error to the first's, and what the
@@ -138,7 +125,7 @@ def check_requantize(model: LoadedModel, src: Path, targets: dict[str, QuantSche
     `targets`: name -> the scheme each quantizable weight would be written in."""
     types = source_types(model)
     lossy = {n: types[n] for n, t in targets.items()
-             if types[n] not in FLOAT_TYPES and not _lossless(model.weights[n], t)}
+             if types[n] not in FLOAT_TYPES and not lossless_to(model.weights[n], t)}
     if not lossy:
         return
     kinds = sorted(set(lossy.values()))
@@ -214,7 +201,7 @@ def _qat(model, windows, sch, emb_sch, steps, lr, qat_len, progress):
 
     emb = model.weights["token_embd"]
     res = qat_train(model, windows, sch, steps=steps, lr=lr, seq_len=qat_len, embed_scheme=emb_sch,
-                    progress=progress, keep_head=_lossless(emb, emb_sch))
+                    progress=progress, keep_head=lossless_to(emb, emb_sch))
     cal = Calibrated()
     for name, v in res.weights.items():
         w = model.weights[name]
@@ -339,7 +326,8 @@ def quantize_model(src: str | Path, out: str | Path, scheme: str, force: bool = 
         else:
             from llamajet.quant.selfcalib import self_generated_windows
 
-            windows = self_generated_windows(src, tok, calib_seqs, calib_len, seed=calib_seed, progress=progress)
+            windows = self_generated_windows(src, tok, calib_seqs, calib_len, seed=calib_seed, progress=progress,
+                                             max_context=model.config.max_position_embeddings)
     if method == "qat":
         cal = _qat(model, windows, sch, emb_sch(model.weights["token_embd"]), qat_steps, qat_lr, qat_len, progress)
     elif calibrated_run:

@@ -95,17 +95,21 @@ def _prompt_ids(tok, i: int) -> list[int]:
 
 
 def self_generated_windows(src: str | Path, tok, n: int, length: int, seed: int = 0,
-                           progress: Callable[..., None] | None = None, llm=None) -> list[list[int]]:
+                           progress: Callable[..., None] | None = None, llm=None,
+                           max_context: int | None = None) -> list[list[int]]:
     """`n` windows of `length` token ids written by the model at `src` (module docstring).
-    `llm`: the model already loaded (an LLM), else LLM(src) is loaded here and dropped after."""
+    `llm`: the model already loaded (an LLM), else LLM(src) is loaded here and dropped after;
+    max_context: the model's context limit when the caller knows it (else read from src's config)."""
     from llamajet import LLM, SamplingParams
 
     if n < 1 or length < 16:
         raise LlamajetError("calibration needs at least 1 window of at least 16 tokens")
     if llm is None:
-        from llamajet.loaders import load_model
+        limit = max_context
+        if limit is None:
+            from llamajet.loaders import load_model
 
-        limit = load_model(src).config.max_position_embeddings  # (mapped: reads headers, no weight bytes)
+            limit = load_model(src).config.max_position_embeddings  # (mapped: reads headers, no weight bytes)
         # up to 64 sequences a step (decode reads the weights once for all of them), in a KV pool
         # of at most 1 GiB (the engine refuses one that cannot hold a context)
         llm = LLM(src, max_model_len=min(limit, length + 128), enable_prefix_caching=False,
