@@ -14,6 +14,11 @@ committed in the same file (`--record` wrote them before any tuning): every
 llamajet run, with or without speculation, is checked against them token for
 token, and the benchmark fails on a difference.
 
+llamajet runs three ways: without speculation, with n-gram speculation as
+it runs by default (`llamajet-ngram`: the step-cost model keeps only the
+proposed tokens that pay), and verifying every proposal (`llamajet-ngram-all`,
+`speculative_cost_model=False`: what the cost model saves).
+
 Each (engine, category, streams) is a fresh process (`--worker`), which loads
 the model, warms up on a prompt of neither category, then generates every
 prompt of the category (greedy, --max-tokens, the prefix cache off so no
@@ -44,11 +49,15 @@ PROMPTS = HERE / "data" / "speculative_prompts.json"
 WARMUP = [{"role": "user", "content": "Say hello."}]
 
 
-def _llamajet(spec: bool):
+def _llamajet(engine: str = "llamajet"):
+    """llamajet: no speculation; -ngram: n-gram speculation as by default (the
+    step-cost model verifies what pays); -ngram-all: every proposal verified."""
     from llamajet import LLM
     from llamajet.models import default_model_path
 
-    opts = {"speculative": "ngram"} if spec else {}
+    opts = {"speculative": "ngram"} if engine != "llamajet" else {}
+    if engine == "llamajet-ngram-all":
+        opts["speculative_cost_model"] = False
     return LLM(default_model_path(), max_model_len=2048, enable_prefix_caching=False, **opts)
 
 
@@ -58,7 +67,7 @@ def worker(engine: str, category: str, max_tokens: int, streams: int) -> dict:
     if engine.startswith("llamajet"):
         from llamajet import SamplingParams
 
-        llm = _llamajet(engine == "llamajet-ngram")
+        llm = _llamajet(engine)
         ids = [llm.chat_ids(it["messages"]) for it in items]
         p = SamplingParams(max_tokens=max_tokens, temperature=0)
         llm.generate(llm.chat_ids(WARMUP), SamplingParams(max_tokens=8, temperature=0))
@@ -122,7 +131,7 @@ def main(argv=None) -> int:
     if a.record:
         from llamajet import SamplingParams
 
-        llm = _llamajet(False)
+        llm = _llamajet()
         for cat, items in data.items():
             for it in items:
                 it["greedy_ids"] = llm.generate(llm.chat_ids(it["messages"]),
@@ -134,9 +143,9 @@ def main(argv=None) -> int:
 
     load0 = os.getloadavg()
     env = dict(os.environ)
-    engines = ["llamajet", "llamajet-ngram"]
+    engines = ["llamajet", "llamajet-ngram", "llamajet-ngram-all"]
     if a.llama_cpp_python:
-        llm = _llamajet(False)
+        llm = _llamajet()
         env["SPEC_BENCH_IDS"] = json.dumps({"warmup": llm.chat_ids(WARMUP),
                                             **{c: [llm.chat_ids(it["messages"]) for it in items]
                                                for c, items in data.items()}})
@@ -171,7 +180,8 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|")
     med = {k: statistics.median(x["tokens"] / x["seconds"] for x in v) for k, v in runs.items()}
     for (eng, cat, s), v in runs.items():
-        base = {"llamajet-ngram": "llamajet", "llamacpp-lookup": "llamacpp"}.get(eng)
+        base = {"llamajet-ngram": "llamajet", "llamajet-ngram-all": "llamajet",
+                "llamacpp-lookup": "llamacpp"}.get(eng)
         sp = f"{med[(eng, cat, s)] / med[(base, cat, s)]:.2f}x" if base and (base, cat, s) in med else "—"
         drafts = sum(x.get("drafts", 0) for x in v)
         acc = (f"{sum(x['accepted'] for x in v) / max(1, sum(x['draft_tokens'] for x in v)):.0%}"

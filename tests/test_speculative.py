@@ -24,9 +24,11 @@ CONVS = {"repeat": REPEAT, "code": CODE, "free": FREE}
 
 @pytest.fixture(scope="module")
 def pair(smollm2_gguf):
-    """(plain, speculative) engines of the default model, the same options otherwise."""
+    """(plain, speculative) engines of the default model, the same options otherwise; the
+    speculative one verifies every proposal (no step-cost model: these tests are about
+    verification, which the model would skip on a compute-bound CPU)."""
     opts = dict(max_model_len=512, n_threads=2)
-    return LLM(smollm2_gguf, **opts), LLM(smollm2_gguf, speculative="ngram", **opts)
+    return LLM(smollm2_gguf, **opts), LLM(smollm2_gguf, speculative="ngram", speculative_cost_model=False, **opts)
 
 
 def _ids(llm, conv):
@@ -126,7 +128,8 @@ def test_json_schema_n2_and_batches(pair):
 def test_preemption_with_proposals(smollm2_gguf, pair):
     plain, _ = pair
     # a pool of 6 blocks of 16 tokens: three sequences of ~60 tokens cannot all run
-    small = LLM(smollm2_gguf, speculative="ngram", max_model_len=96, kv_cache_tokens=96, n_threads=2)
+    small = LLM(smollm2_gguf, speculative="ngram", speculative_cost_model=False, max_model_len=96,
+                kv_cache_tokens=96, n_threads=2)
     ids = [_ids(plain, [{"role": "user", "content": f"Say {w} five times."}]) for w in ("yes", "no", "maybe")]
     ids = [i[-40:] for i in ids]
     p = SamplingParams(max_tokens=50, temperature=0)
@@ -160,7 +163,7 @@ def test_sampled_distribution_is_the_targets(stories_hf):
     equals the proposal (~9% here); its distribution given that first token must be softmax(logits / T) at
     prompt + first token (chi-square over the bins with expected count >= 5; a rule that keeps the
     proposal, or reads the wrong row, fails it)."""
-    llm = LLM(stories_hf, speculative="ngram", max_model_len=128, n_threads=1)
+    llm = LLM(stories_hf, speculative="ngram", speculative_cost_model=False, max_model_len=128, n_threads=1)
     ids = llm.tokenizer.encode("Tom saw a big red ball. Tom saw a big red ball. Tom saw a big")
     T = 1.0
     first = {}
@@ -226,3 +229,136 @@ def test_server_streams_the_same_text_and_counts_acceptance(pair):
         assert bad.status_code == 400 and "speculative" in bad.json()["error"]["message"]
     finally:
         srv.close()
+
+
+# ------------------------------------------------------------ when a proposal is worth its step
+
+
+def _best_by_enumeration(base, cands, cost):
+    """The reference for plan(): every combination of per-sequence counts, the one with the most
+    expected tokens per second (expected tokens of k proposed at acceptance a: a + a^2 + ... + a^k)."""
+    import itertools
+
+    best, best_ks = base / cost(base), [0] * len(cands)
+    for ks in itertools.product(*[range(k + 1) for _, k in cands]):
+        tokens = base + sum(sum(a ** j for j in range(1, k + 1)) for (a, _), k in zip(cands, ks))
+        rate = tokens / cost(base + sum(ks))
+        if rate > best * (1 + 1e-12):
+            best, best_ks = rate, list(ks)
+    return best, best_ks
+
+
+# step times (ms) measured on a quiet 2-core AVX2 Zen 1 (compute-bound decode: 1+1 tokens cost 1.66x) and
+# a memory-bound shape (an AVX-512 VNNI core, where 1+8 tokens cost about 1.3x)
+ZEN1 = {1: 8.16, 2: 13.5, 3: 19.0, 5: 30.6, 9: 54.8, 17: 105.0}
+MEMBOUND = {1: 10.0, 2: 10.3, 3: 10.6, 5: 11.2, 9: 13.0, 17: 17.0}
+
+
+@pytest.mark.parametrize("points", [ZEN1, MEMBOUND], ids=["compute-bound", "memory-bound"])
+@pytest.mark.parametrize("cands,base", [
+    ([(0.95, 8)], 1), ([(0.75, 8)], 1), ([(0.4, 8)], 1), ([(1.0, 8)], 1),
+    ([(0.9, 4), (0.5, 4), (0.2, 3)], 3), ([(0.8, 3), (0.8, 3)], 16), ([(0.0, 5)], 1)])
+def test_plan_is_the_best_combination(points, cands, base):
+    from llamajet.engine.speculative import StepCost, plan
+
+    cost = StepCost(points)
+    ks = plan(base, cands, cost)
+    best, _ = _best_by_enumeration(base, cands, cost)
+    tokens = base + sum(sum(a ** j for j in range(1, k + 1)) for (a, _), k in zip(cands, ks))
+    assert tokens / cost(base + sum(ks)) == pytest.approx(best, rel=1e-12)
+    assert all(0 <= k <= n for k, (_, n) in zip(ks, cands))
+
+
+def test_plan_follows_the_machine():
+    """Where decode is memory-bound a 75%-accepted proposal is verified at length; on the compute-bound
+    core only its first token pays, and a rejected-everything sequence or a batch of 16 verifies none."""
+    from llamajet.engine.speculative import StepCost, plan
+
+    assert plan(1, [(0.75, 8)], StepCost(MEMBOUND))[0] >= 6  # (the 8th, worth 0.75^8 = 0.1, does not pay)
+    assert plan(1, [(0.75, 8)], StepCost(ZEN1)) == [1]
+    assert plan(1, [(0.5, 8)], StepCost(ZEN1)) == [0]
+    assert plan(1, [(0.0, 8)], StepCost(MEMBOUND)) == [0]
+    # batch 16 on the compute-bound core: t(T) grows with T, so proposals must be nearly certain
+    assert plan(16, [(0.75, 8)] * 16, StepCost(ZEN1)) == [0] * 16
+
+
+def test_step_cost_interpolates_and_follows_observed_steps():
+    from llamajet.engine.speculative import StepCost, plan
+
+    c = StepCost({1: 10.0, 3: 14.0, 5: 30.0})
+    assert c(1) == 10.0 and c(2) == 12.0 and c(4) == 22.0 and c(7) == 46.0  # between points; past the last two
+    assert StepCost({2: 10.0})(4) == 20.0  # one point: proportional
+    c.observe(2, 22.0)  # a T never seen starts at its prediction, then moves by EMA of the difference
+    assert c(2) == pytest.approx(12.0 + c.EMA * 10.0)
+    # the machine gets busy (another program on the core): 2-token steps now cost 1.9x a 1-token step;
+    # after enough observed steps the plan stops verifying the proposal it verified before
+    c = StepCost(MEMBOUND)
+    assert plan(1, [(0.8, 1)], c) == [1]
+    for _ in range(60):
+        c.observe(1, 10.0)
+        c.observe(2, 19.0)
+    assert c.ratio(1, 1) == pytest.approx(1.9, rel=0.01)
+    assert plan(1, [(0.8, 1)], c) == [0]
+
+
+def test_probes_back_off_while_they_fail():
+    """A sequence whose proposals the plan drops is verified at PROBE_ACCEPTANCE every probe_gap
+    decisions; a failed probe doubles the gap (up to PROBE_GAP_MAX), a good one resets it."""
+    import types
+
+    from llamajet.engine.engine import Engine
+    from llamajet.engine.speculative import SpecState, StepCost
+
+    eng = types.SimpleNamespace(step_cost=StepCost(ZEN1), _spec_acc=0.0, _spec_rej=50.0)  # others reject
+    seq = types.SimpleNamespace(spec=SpecState(8), draft=[])
+    seq.spec.acc, seq.spec.rej = 0.0, 10.0  # this one too
+    verified, gaps = [], []
+    for step in range(200):
+        seq.draft = [1] * 8
+        Engine._plan_drafts(eng, 1, [seq])
+        if seq.draft:
+            verified.append(step)
+            gaps.append(seq.spec.probe_gap)
+            seq.spec.update(len(seq.draft), 0)  # the probe fails
+    assert verified[:3] == [3, 3 + 8, 3 + 8 + 16]  # gaps 4, 8, 16, ...
+    assert max(gaps) <= SpecState.PROBE_GAP_MAX and len(verified) < 12
+    seq.spec.probe_gap, seq.spec.skipped = 8, 7
+    seq.draft = [1] * 8
+    Engine._plan_drafts(eng, 1, [seq])
+    n = len(seq.draft)
+    assert n == _best_by_enumeration(1, [(0.9, 8)], StepCost(ZEN1))[1][0] > 0  # what pays at 0.9 here
+    seq.spec.update(n, n)  # accepted: probe again soon
+    assert seq.spec.probe_gap == SpecState.PROBE_GAP
+    # where even PROBE_ACCEPTANCE cannot pay (every extra token costs a whole step), no probe at all
+    eng.step_cost = StepCost({1: 1.0, 2: 2.0, 3: 3.0})
+    for _ in range(100):
+        seq.draft = [1] * 8
+        Engine._plan_drafts(eng, 1, [seq])
+        assert seq.draft == []
+
+
+def test_cost_model_in_the_engine(smollm2_gguf, pair):
+    """The step-cost model is measured at start (steps of 1, 2, 3, ... tokens in blocks given back:
+    nothing held or cached after); with a compute-bound cost nothing is verified on free-form text,
+    with a memory-bound one the copying prompt verifies and accepts; the output is the same tokens."""
+    from llamajet.engine.speculative import StepCost
+
+    plain, _ = pair
+    llm = LLM(smollm2_gguf, speculative="ngram", max_model_len=512, n_threads=2)
+    eng = llm.engine
+    assert sorted(eng.step_cost.t)[:3] == [1, 2, 3] and all(v > 0 for v in eng.step_cost.t.values())
+    assert eng.stats.steps == 0 and eng.blocks.num_cached == 0
+    _check_pool_empty(llm)
+    p = SamplingParams(max_tokens=96, temperature=0)
+    for name, points, verifies in (("free", {n: float(n) for n in (1, 2, 9)}, False), ("repeat", MEMBOUND, True)):
+        eng.step_cost = StepCost(points)
+        eng.step_cost.EMA = 0.0  # this test's machine, not the one running it
+        st = eng.stats
+        before = (st.spec_draft_tokens, st.spec_accepted_tokens)
+        ids = _ids(plain, CONVS[name])
+        assert llm.generate(ids, p)[0].token_ids == plain.generate(ids, p)[0].token_ids
+        if verifies:
+            assert st.spec_accepted_tokens - before[1] >= 20
+        else:
+            assert st.spec_draft_tokens == before[0]
+        _check_pool_empty(llm)

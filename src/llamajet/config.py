@@ -597,6 +597,10 @@ class RuntimeConfig:
         "(default: off)", choices=SPECULATIVE)
     num_speculative_tokens: int = _option(
         8, "speculative decoding: most tokens proposed per step for a sequence (adapts to its acceptance)")
+    speculative_cost_model: bool = _option(
+        True, "speculative decoding: verify only the proposed tokens that a step-cost model (step times measured "
+        "at start, then as observed) and each sequence's recent acceptance say raise the tokens per second; "
+        "off: verify every proposal")
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str):
@@ -615,7 +619,7 @@ class RuntimeConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 bad(name, "must be a positive integer")
-        for name in ("enable_prefix_caching", "kv_prefault", "fuse", "oversubscribe"):
+        for name in ("enable_prefix_caching", "kv_prefault", "fuse", "oversubscribe", "speculative_cost_model"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be True or False")
         if self.max_model_len is not None and self.max_model_len < 2:

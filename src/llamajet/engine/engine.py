@@ -39,9 +39,9 @@ import numpy as np
 from llamajet.engine.block_manager import BlockManager, kv_slot
 from llamajet.engine.runner import ModelRunner, StepBatch
 from llamajet.engine.sampling import SamplingParams, log_softmax, top_logprobs
-from llamajet.engine.scheduler import Scheduler
+from llamajet.engine.scheduler import ScheduledSeq, Scheduler
 from llamajet.engine.sequence import Sequence, Status, StreamEvent, TextStream
-from llamajet.engine.speculative import make_proposer
+from llamajet.engine.speculative import PROBE_ACCEPTANCE, make_proposer, measure_step_cost, plan
 from llamajet.errors import RequestError
 
 __all__ = ["Engine", "EngineStats", "RequestStats", "StreamEvent"]
@@ -91,6 +91,12 @@ class Engine:
         self.last_stats = RequestStats()
         self.stats = EngineStats()
         self.last_schedule = None  # the SchedulerOutput of the latest step (for bench and tests)
+        # speculative decoding's step-cost model (engine/speculative.py), and the
+        # acceptance across sequences (decayed counts), each sequence's prior
+        self.step_cost = None
+        self._spec_acc = self._spec_rej = 0.0
+        if self.proposer is not None and self.config.speculative_cost_model:
+            self.step_cost = self._measure_step_cost()
 
     @property
     def max_model_len(self) -> int:
@@ -195,7 +201,10 @@ class Engine:
         out = self.last_schedule = self.scheduler.schedule()
         if not out.scheduled:
             return []
+        t0 = time.perf_counter()
         logits = self.runner.run(out.scheduled, out.copies)
+        if self.step_cost is not None:
+            self.step_cost.observe(out.num_tokens, time.perf_counter() - t0)
         st = self.stats
         st.steps += 1
         st.tokens += out.num_tokens
@@ -236,13 +245,64 @@ class Engine:
         (engine/speculative.py); none for one still in its prompt, scoring
         it, or about to fork."""
         limit = self.max_model_len
+        base, proposing = 0, []  # the step's tokens without proposals; the sequences with one
         for seq in self.scheduler.running:
             seq.draft = []
-            if (seq.num_tokens - seq.num_computed == 1 and not seq.forks and seq.scoring_from is None
-                    and seq.params.speculative):
+            left = seq.num_tokens - seq.num_computed
+            base += left
+            if left == 1 and not seq.forks and seq.scoring_from is None and seq.params.speculative:
                 room = limit - seq.num_tokens  # the last proposed token's position stays < max_model_len
                 if room > 0:
                     seq.draft = self.proposer.propose(seq)[:room]
+                    if seq.draft:
+                        proposing.append(seq)
+        if self.step_cost is not None and proposing:
+            self._plan_drafts(min(base, self.config.step_tokens), proposing)
+
+    def _plan_drafts(self, base: int, seqs: list[Sequence]) -> None:
+        """Cuts the proposals to what the step-cost model says pays
+        (speculative.plan); a sequence whose proposals it keeps dropping is
+        probed at PROBE_ACCEPTANCE now and then (SpecState.probe_gap)."""
+        prior = (self._spec_acc + 0.5) / (self._spec_acc + self._spec_rej + 1.0)
+        cands = [(seq.spec.acceptance(prior, 2.0), len(seq.draft)) for seq in seqs]
+        for seq, k, (_, n) in zip(seqs, plan(base, cands, self.step_cost), cands):
+            st = seq.spec
+            if k == 0:
+                st.skipped += 1
+                if st.skipped >= st.probe_gap:
+                    k = plan(base, [(PROBE_ACCEPTANCE, n)], self.step_cost)[0]
+                    st.probing = k > 0
+                    st.skipped = 0
+            else:
+                st.skipped = 0
+            seq.draft = seq.draft[:k]
+
+    def _measure_step_cost(self):
+        """StepCost from steps of 1, 2, 3, 5, 9, 17 tokens (a one-token
+        sequence and a proposal of the rest, at the start of the context), in
+        blocks taken from the pool and given back; sizes stop where the
+        measurement would pass about a second (a big model on a slow CPU)."""
+        seq = Sequence([0], SamplingParams(max_tokens=1))
+        cap = min(self.runner.max_out, self.config.step_tokens, self.max_model_len - 1,
+                  self.blocks.num_blocks * self.blocks.block_size)
+        def run_step(n: int) -> None:
+            self.runner.run([ScheduledSeq(seq, 0, n, True, draft=(0,) * (n - 1))])
+
+        sizes, spent = [], 0.0
+        try:
+            for n in (1, 2, 3, 5, 9, 17):  # each run once as its warm-up (twice for the first)
+                if n > cap or not self.blocks.allocate_slots(seq, 0, n):
+                    break
+                t0 = time.perf_counter()
+                run_step(n)
+                spent += 2 * (time.perf_counter() - t0)  # with the timed run to come
+                sizes.append(n)
+                if spent > 1.0:
+                    break
+            run_step(1)
+            return measure_step_cost(run_step, sizes, reps=1)
+        finally:
+            self.blocks.free(seq)
 
     def _verify(self, seq: Sequence, draft: tuple[int, ...], rows: np.ndarray, greedy: np.ndarray | None) -> None:
         """Emits seq's tokens from the rows of its last token and its
@@ -263,6 +323,9 @@ class Engine:
         st.spec_draft_tokens += len(draft)
         st.spec_accepted_tokens += accepted
         seq.spec.update(len(draft), accepted)
+        d = seq.spec.DECAY
+        self._spec_acc = self._spec_acc * d + accepted
+        self._spec_rej = self._spec_rej * d + (accepted < len(draft))
         seq.draft = []
         if not seq.finished:
             self.blocks.truncate(seq, seq.num_tokens)

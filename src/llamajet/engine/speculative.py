@@ -33,9 +33,29 @@ Proposal length adapts per sequence: one more than the tokens it accepted
 last time, up to num_speculative_tokens, so a sequence whose proposals fail
 spends one extra token per step at most, and only when a match exists; one
 that accepts everything doubles its proposal length.
+
+Whether a proposal is worth its step (StepCost, plan): a step of T tokens
+takes t(T). Where decode streams the weights from memory, t(1 + k) is close
+to t(1) and every accepted token is nearly free; where it is compute-bound (a
+big batch, or a core without int8 dot products: on an AVX2-only Zen 1,
+t(2) = 1.66 t(1)) the k proposed tokens cost nearly k steps, and verifying
+them loses unless almost all are accepted. So before each step the engine
+keeps only the proposed tokens that raise the expected tokens per second:
+with a sequence's per-token acceptance a (its recent verifications, a
+geometric model: token j is kept with probability a^j), its j-th proposed
+token adds a^j expected tokens, and the step's proposals are taken best
+first while (B + expected accepted) / t(B + taken) grows, B being the tokens
+the step has without them. t(T) is measured at startup (a few step sizes),
+then follows the step times observed (a busy machine changes it). A sequence
+whose proposals the plan keeps dropping is tried now and then at the
+acceptance it would need (a probe, backing off while probes fail), so a
+change in what it writes, or in the machine, is seen. None of this changes
+any output: only how many tokens a step verifies.
 """
 
 from __future__ import annotations
+
+import time
 
 
 class NgramProposer:
@@ -67,18 +87,118 @@ class NgramProposer:
 
 
 class SpecState:
-    """A sequence's proposer state: its n-gram index and its current proposal length."""
+    """A sequence's proposer state: its n-gram index, its current proposal
+    length, and its recent acceptance (decayed counts of accepted tokens and
+    of verifications that ended in a rejection)."""
 
-    __slots__ = ("index", "upto", "k", "k_max")
+    __slots__ = ("index", "upto", "k", "k_max", "acc", "rej", "skipped", "probe_gap", "probing")
+
+    DECAY = 0.8  # weight of the verification before the latest: about the last 5 count
+    PROBE_GAP, PROBE_GAP_MAX = 4, 64  # plan decisions dropping a proposal before a probe
 
     def __init__(self, k: int) -> None:
         self.index: dict[tuple[int, ...], int] = {}
         self.upto = 0
         self.k = self.k_max = k
+        self.acc = self.rej = 0.0
+        self.skipped = 0
+        self.probe_gap = self.PROBE_GAP
+        self.probing = False  # the proposal being verified is a probe (engine.Engine._plan_drafts)
 
     def update(self, proposed: int, accepted: int) -> None:
         """After a verification: propose one more than was accepted; twice as many when all were."""
         self.k = min(self.k_max, 2 * proposed if accepted == proposed else accepted + 1)
+        self.acc = self.acc * self.DECAY + accepted
+        self.rej = self.rej * self.DECAY + (accepted < proposed)
+        if self.probing:  # probe again soon after one that paid, ever later after ones that did not
+            self.probing = False
+            self.probe_gap = self.PROBE_GAP if 2 * accepted >= proposed else min(2 * self.probe_gap, self.PROBE_GAP_MAX)
+
+    def acceptance(self, prior: float, weight: float = 1.0) -> float:
+        """Per-token acceptance: accepted tokens over accepted + rejections
+        (the geometric model's estimate), with `prior` counted `weight` times."""
+        return (self.acc + prior * weight) / (self.acc + self.rej + weight)
+
+
+# The acceptance a probe assumes: a sequence whose proposals would not pay even
+# at this rate is not probed (on a compute-bound machine, none is).
+PROBE_ACCEPTANCE = 0.9
+
+
+class StepCost:
+    """t(T), the seconds of a step of T tokens: points measured at startup,
+    each moved toward the step times observed after (an exponential average,
+    EMA of the latest), linear between points and along the last two beyond.
+    A T never seen starts from that prediction, so one slow step moves it
+    only by EMA of the difference."""
+
+    EMA = 0.1
+
+    def __init__(self, points: dict[int, float]) -> None:
+        if not points or min(points.values()) <= 0:
+            raise ValueError("StepCost needs at least one positive step time")
+        self.t = dict(points)
+        self._keys = sorted(self.t)
+
+    def __call__(self, n: int) -> float:
+        t, ks = self.t, self._keys
+        if n in t:
+            return t[n]
+        if len(ks) == 1:
+            return t[ks[0]] * n / ks[0]
+        i = next((i for i, k in enumerate(ks) if k > n), len(ks))
+        a, b = (ks[0], ks[1]) if i == 0 else (ks[-2], ks[-1]) if i == len(ks) else (ks[i - 1], ks[i])
+        return max(t[a] + (t[b] - t[a]) * (n - a) / (b - a), 1e-9)
+
+    def observe(self, n: int, seconds: float) -> None:
+        prev = self(n)
+        self.t[n] = prev + self.EMA * (seconds - prev)
+        if n not in self._keys:
+            self._keys = sorted(self.t)
+
+    def ratio(self, base: int, extra: int) -> float:
+        """t(base + extra) / t(base): what `extra` proposed tokens cost a step of `base`."""
+        return self(base + extra) / self(base)
+
+
+def plan(base: int, cands: list[tuple[float, int]], cost) -> list[int]:
+    """How many of each sequence's proposed tokens to verify: cands holds
+    (acceptance a, tokens proposed k) per sequence; proposed token j of a
+    sequence is worth a^j expected tokens. Tokens are taken in order of worth
+    (a sequence's in order, since a^j falls with j) for as long as the
+    expected tokens per second, (base + worth taken) / cost(base + taken),
+    is the best so far; returns the count per sequence (0: not verified)."""
+    worth = []
+    for i, (a, k) in enumerate(cands):
+        w = 1.0
+        for _ in range(k):
+            w *= a
+            worth.append((w, i))
+    worth.sort(key=lambda x: -x[0])  # stable: a sequence's tokens stay in order when a = 1
+    best, best_n, total = base / cost(base), 0, float(base)
+    for n, (w, _) in enumerate(worth, 1):
+        total += w
+        rate = total / cost(base + n)
+        if rate > best:
+            best, best_n = rate, n
+    ks = [0] * len(cands)
+    for _, i in worth[:best_n]:
+        ks[i] += 1
+    return ks
+
+
+def measure_step_cost(run_step, sizes, reps: int = 2) -> StepCost:
+    """StepCost from run_step(T) (one step of T tokens; warmed up by the
+    caller) timed for each size: the least of `reps` times each."""
+    pts = {}
+    for n in sizes:
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            run_step(n)
+            best = min(best, time.perf_counter() - t0)
+        pts[n] = best
+    return StepCost(pts)
 
 
 def make_proposer(name: str | None, k: int):
