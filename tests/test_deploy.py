@@ -58,7 +58,7 @@ COUNTERS = {
     "llamajet:request_success_total", "llamajet:num_preemptions_total",
     "llamajet:request_failure_total", "llamajet:http_requests_total",
     "llamajet:spec_decode_num_drafts_total", "llamajet:spec_decode_num_draft_tokens_total",
-    "llamajet:spec_decode_num_accepted_tokens_total",
+    "llamajet:spec_decode_num_accepted_tokens_total", "llamajet:spec_decode_num_accepted_tokens_per_pos_total",
 }
 HISTOGRAMS = {
     "llamajet:time_to_first_token_seconds", "llamajet:inter_token_latency_seconds",

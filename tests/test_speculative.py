@@ -224,6 +224,26 @@ def test_server_streams_the_same_text_and_counts_acceptance(pair):
                                                  temperature=0, extra_body={"speculative": False})
         assert r.choices[0].message.content == text
         assert srv.metric("llamajet:spec_decode_num_drafts_total") == m1["drafts"]
+        # accepted per position (vLLM's _per_pos): they add up to the accepted tokens, and position j + 1
+        # is reached only through position j
+        text_m = httpx.get(srv.url + "/metrics").text
+        per = {}
+        for line in text_m.splitlines():
+            if line.startswith("llamajet:spec_decode_num_accepted_tokens_per_pos_total{"):
+                per[int(line.split('position="')[1].split('"')[0])] = float(line.rsplit(" ", 1)[1])
+        assert sum(per.values()) == m1["accepted_tokens"] and per[0] > 0
+        assert [per[j] for j in sorted(per)] == sorted(per.values(), reverse=True)
+        # the Responses and Anthropic routes honour the opt-out too (and speculate without it)
+        user = REPEAT[0]["content"]
+        for path, body in (("/v1/responses", {"input": user, "max_output_tokens": 40}),
+                           ("/v1/messages", {"messages": REPEAT, "max_tokens": 40})):
+            for opt in (False, True):
+                d0 = srv.metric("llamajet:spec_decode_num_drafts_total")
+                r = httpx.post(srv.url + path, json={"model": "test-model", "temperature": 0, "speculative": opt,
+                                                     **body}, timeout=120)
+                assert r.status_code == 200, r.text
+                d1 = srv.metric("llamajet:spec_decode_num_drafts_total")
+                assert (d1 > d0) if opt else (d1 == d0), (path, opt)
         bad = httpx.post(srv.url + "/v1/chat/completions", json={"model": "test-model", "messages": REPEAT,
                                                                   "speculative": "sometimes"})
         assert bad.status_code == 400 and "speculative" in bad.json()["error"]["message"]

@@ -74,6 +74,7 @@ class EngineStats:
     spec_drafts: int = 0         # verifications of one or more proposed tokens
     spec_draft_tokens: int = 0   # tokens proposed and computed
     spec_accepted_tokens: int = 0  # proposed tokens that were the sequence's next tokens
+    spec_accepted_per_pos: list[int] = field(default_factory=list)  # [j]: accepted at proposed position j
 
 
 class Engine:
@@ -322,6 +323,10 @@ class Engine:
         st.spec_drafts += 1
         st.spec_draft_tokens += len(draft)
         st.spec_accepted_tokens += accepted
+        per = st.spec_accepted_per_pos
+        per.extend([0] * (accepted - len(per)))
+        for j in range(accepted):
+            per[j] += 1
         seq.spec.update(len(draft), accepted)
         d = seq.spec.DECAY
         self._spec_acc = self._spec_acc * d + accepted

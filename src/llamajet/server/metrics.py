@@ -61,7 +61,11 @@ class Metrics:
                                          lab, registry=r)
         self.spec_accepted = Counter("llamajet:spec_decode_num_accepted_tokens",
                                      "Proposed tokens that were the sequence's next tokens", lab, registry=r)
+        self.spec_per_pos = Counter("llamajet:spec_decode_num_accepted_tokens_per_pos",
+                                    "Proposed tokens accepted, by their position in the proposal (0: the first)",
+                                    ["model_name", "position"], registry=r)
         self._spec_seen = (0, 0, 0)
+        self._spec_pos_seen: list[int] = []
         self._idle_seen = (0, 0)
         self._preempt_seen = 0
         for m in (self.prefix_queries, self.prefix_hits, self.prompt_tokens, self.generation_tokens,
@@ -97,3 +101,9 @@ class Metrics:
                 if new > seen:
                     c.labels(m).inc(new - seen)
             self._spec_seen = now
+            per, seen = st.spec_accepted_per_pos, self._spec_pos_seen
+            for j, new in enumerate(per):
+                old = seen[j] if j < len(seen) else 0
+                if new > old:
+                    self.spec_per_pos.labels(m, str(j)).inc(new - old)
+            self._spec_pos_seen = list(per)

@@ -229,6 +229,8 @@ class MessagesRequest(PromptRequest):
     top_k: int | None = Field(default=None, ge=0)
     metadata: Metadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
+    # llamajet's (as on chat completions): false opts this request out of speculative decoding
+    speculative: bool = True
 
     @field_validator("stop_sequences")
     @classmethod

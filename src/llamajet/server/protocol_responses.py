@@ -282,6 +282,8 @@ class ResponseRequest(_Strict):
     stream_options: StreamOptions | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    # llamajet's (as on chat completions): false opts this request out of speculative decoding
+    speculative: bool = True
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None            # a hint; the prefix cache is automatic
     prompt_cache_retention: str | None = None

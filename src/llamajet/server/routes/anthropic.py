@@ -237,7 +237,7 @@ async def messages(request: Request, req: Annotated[MessagesRequest, Depends(ser
     p = plan(llm, req)
     params = sampling_params(llm, len(p.ids), req.max_tokens, prompt_param="messages", temperature=req.temperature,
                              top_p=req.top_p if req.top_p is not None else 1.0, top_k=req.top_k or 0,
-                             stop=tuple(req.stop_sequences or ()))
+                             stop=tuple(req.stop_sequences or ()), speculative=req.speculative)
     cons = await constraint(state, p, req, llm.tokenizer)
     admit()
     run = Run(state, llm, request, [Job(p.ids, params, cons)], t0)

@@ -299,7 +299,8 @@ async def create(request: Request, req: Annotated[ResponseRequest, Depends(serve
     params = sampling_params(llm, len(plan.ids), req.max_output_tokens, prompt_param="input",
                              max_tokens_param="max_output_tokens",
                              temperature=req.temperature if req.temperature is not None else 1.0,
-                             top_p=req.top_p if req.top_p is not None else 1.0, logprobs=req.logprobs)
+                             top_p=req.top_p if req.top_p is not None else 1.0, logprobs=req.logprobs,
+                             speculative=req.speculative)
     constraint = await constraint_for(state, plan, fmt, tok)
     admit()
     run = Run(state, llm, request, [Job(plan.ids, params, constraint)], t0)
