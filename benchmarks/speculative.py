@@ -14,10 +14,13 @@ committed in the same file (`--record` wrote them before any tuning): every
 llamajet run, with or without speculation, is checked against them token for
 token, and the benchmark fails on a difference.
 
-llamajet runs three ways: without speculation, with n-gram speculation as
+llamajet runs four ways: without speculation, with n-gram speculation as
 it runs by default (`llamajet-ngram`: the step-cost model keeps only the
-proposed tokens that pay), and verifying every proposal (`llamajet-ngram-all`,
-`speculative_cost_model=False`: what the cost model saves).
+proposed tokens that pay), n-gram verifying every proposal
+(`llamajet-ngram-all`, `speculative_cost_model=False`: what the cost model
+saves), and suffix decoding (`llamajet-suffix`; each worker process serves
+one category's prompts in turn, so its recent-outputs cache holds the
+earlier prompts' replies, not the same prompt's).
 
 Each (engine, category, streams) is a fresh process (`--worker`), which loads
 the model, warms up on a prompt of neither category, then generates every
@@ -50,13 +53,15 @@ WARMUP = [{"role": "user", "content": "Say hello."}]
 
 
 def _llamajet(engine: str = "llamajet"):
-    """llamajet: no speculation; -ngram: n-gram speculation as by default (the
-    step-cost model verifies what pays); -ngram-all: every proposal verified."""
+    """llamajet: no speculation; llamajet-PROPOSER: that proposer as by
+    default (the step-cost model verifies what pays); llamajet-PROPOSER-all:
+    every proposal verified."""
     from llamajet import LLM
     from llamajet.models import default_model_path
 
-    opts = {"speculative": "ngram"} if engine != "llamajet" else {}
-    if engine == "llamajet-ngram-all":
+    parts = engine.split("-")
+    opts = {"speculative": parts[1]} if len(parts) > 1 else {}
+    if parts[-1] == "all":
         opts["speculative_cost_model"] = False
     return LLM(default_model_path(), max_model_len=2048, enable_prefix_caching=False, **opts)
 
@@ -143,7 +148,7 @@ def main(argv=None) -> int:
 
     load0 = os.getloadavg()
     env = dict(os.environ)
-    engines = ["llamajet", "llamajet-ngram", "llamajet-ngram-all"]
+    engines = ["llamajet", "llamajet-ngram", "llamajet-ngram-all", "llamajet-suffix"]
     if a.llama_cpp_python:
         llm = _llamajet()
         env["SPEC_BENCH_IDS"] = json.dumps({"warmup": llm.chat_ids(WARMUP),
@@ -180,8 +185,7 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|")
     med = {k: statistics.median(x["tokens"] / x["seconds"] for x in v) for k, v in runs.items()}
     for (eng, cat, s), v in runs.items():
-        base = {"llamajet-ngram": "llamajet", "llamajet-ngram-all": "llamajet",
-                "llamacpp-lookup": "llamacpp"}.get(eng)
+        base = "llamajet" if eng.startswith("llamajet-") else {"llamacpp-lookup": "llamacpp"}.get(eng)
         sp = f"{med[(eng, cat, s)] / med[(base, cat, s)]:.2f}x" if base and (base, cat, s) in med else "—"
         drafts = sum(x.get("drafts", 0) for x in v)
         acc = (f"{sum(x['accepted'] for x in v) / max(1, sum(x['draft_tokens'] for x in v)):.0%}"

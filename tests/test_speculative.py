@@ -31,6 +31,12 @@ def pair(smollm2_gguf):
     return LLM(smollm2_gguf, **opts), LLM(smollm2_gguf, speculative="ngram", speculative_cost_model=False, **opts)
 
 
+@pytest.fixture(scope="module")
+def suffix(smollm2_gguf):
+    """A suffix-decoding engine of the default model, every proposal verified."""
+    return LLM(smollm2_gguf, speculative="suffix", speculative_cost_model=False, max_model_len=512, n_threads=2)
+
+
 def _ids(llm, conv):
     return llm.chat_ids(conv)
 
@@ -41,9 +47,12 @@ def _check_pool_empty(llm):
     assert b.num_free == b.num_blocks
 
 
+@pytest.mark.parametrize("proposer", ["ngram", "suffix"])
 @pytest.mark.parametrize("name", list(CONVS))
-def test_greedy_output_is_bit_identical(pair, name):
+def test_greedy_output_is_bit_identical(pair, suffix, name, proposer):
     plain, spec = pair
+    if proposer == "suffix":
+        spec = suffix
     ids = _ids(plain, CONVS[name])
     p = SamplingParams(max_tokens=160, temperature=0, logprobs=2)
     st = spec.engine.stats
@@ -382,3 +391,79 @@ def test_cost_model_in_the_engine(smollm2_gguf, pair):
         else:
             assert st.spec_draft_tokens == before[0]
         _check_pool_empty(llm)
+
+
+# ------------------------------------------------------------ suffix decoding
+
+
+def test_suffix_index_counts_what_followed_each_context():
+    """SuffixIndex against counting by scan; adding with sign -1 takes a list back out."""
+    import random
+
+    from llamajet.engine.speculative import SuffixIndex
+
+    rng = random.Random(0)
+    lists = [[rng.randrange(6) for _ in range(rng.randrange(1, 40))] for _ in range(8)]
+    ix = SuffixIndex(depth=3)
+    for ids in lists:
+        ix.add(ids, 0)
+    ref = {}
+    for ids in lists:
+        for p in range(1, len(ids)):
+            for n in range(1, min(3, p) + 1):
+                d = ref.setdefault(tuple(ids[p - n:p]), {})
+                d[ids[p]] = d.get(ids[p], 0) + 1
+    assert ix.next == ref
+    n, d = ix.longest([9, 9] + lists[0][:2])
+    assert n == 2 and d == ref[tuple(lists[0][:2])]
+    for ids in lists:
+        ix.add(ids, 0, sign=-1)
+    assert ix.next == {}
+
+
+def _seq(ids, max_tokens=64, num_prompt=None):
+    from llamajet.engine.sequence import Sequence
+
+    s = Sequence(list(ids), SamplingParams(max_tokens=max_tokens))
+    if num_prompt is not None:  # the tokens after num_prompt as output
+        s.num_prompt = num_prompt
+    return s
+
+
+def test_suffix_proposals_follow_the_most_frequent_continuation():
+    from llamajet.engine.speculative import SuffixProposer
+
+    sp = SuffixProposer(k=8)
+    # in its own tokens: after (1, 2) came 3 three times and 4 once; after (2, 3), 5
+    seq = _seq([1, 2, 3, 5, 1, 2, 3, 5, 1, 2, 4, 6, 1, 2, 3, 5, 7, 1, 2])
+    got = sp.propose(seq)
+    assert got[:2] == [3, 5]  # (1, 2) -> 3 (3 of 4), then (2, 3) -> 5 (3 of 3)
+    # the confidence is the product of the continuations' frequencies: it stops below 0.1
+    sp2 = SuffixProposer(k=8, min_prob=0.7)
+    assert sp2.propose(_seq(seq.token_ids)) == [3, 5]  # 0.75, 0.75 x 1; then (3, 5) -> 1 or 7: 0.75 x 2/3 < 0.7
+    # recent requests' outputs: a finished sequence's output is proposed to a new one with the same context
+    sp3 = SuffixProposer(k=4)
+    done = _seq([10, 11, 12, 20, 21, 22, 23, 24], num_prompt=3)
+    sp3.finished(done)
+    assert sp3.propose(_seq([30, 11, 12])) == [20, 21, 22, 23]
+    # the cache is bounded: older outputs are taken back out
+    sp4 = SuffixProposer(k=4, max_cached_tokens=6)
+    sp4.finished(done)  # 5 output tokens
+    sp4.finished(_seq([40, 41, 42, 43], num_prompt=2))  # 2 more: the first is evicted
+    assert sp4.propose(_seq([30, 11, 12])) == [] and sp4.recent.longest([41])[1] == {42: 1}
+
+
+def test_suffix_decoding_learns_from_recent_requests(suffix, pair):
+    """An agent-like loop: the same request again. The second time the proposals come from the first
+    reply (the recent-outputs cache) and are accepted nearly whole; the output is the same tokens."""
+    plain, _ = pair
+    ids = _ids(plain, FREE)
+    p = SamplingParams(max_tokens=64, temperature=0)
+    st = suffix.engine.stats
+    a = suffix.generate(ids, p)[0]
+    acc1 = st.spec_accepted_tokens
+    b = suffix.generate(ids, p)[0]
+    acc2 = st.spec_accepted_tokens - acc1
+    assert a.token_ids == b.token_ids == plain.generate(ids, p)[0].token_ids
+    assert acc2 >= 0.8 * (len(b.token_ids) - 1), (acc1, acc2, len(b.token_ids))
+    _check_pool_empty(suffix)

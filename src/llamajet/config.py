@@ -494,7 +494,7 @@ KV_CACHE_DTYPES = ("f32", "f16", "bf16", "int8")
 # packed weights with float activations (W*A16), "reference" = weights as
 # loaded, dequantized in fp32 inside the matmul
 KERNELS = ("fast", "a16", "reference")
-SPECULATIVE = ("ngram",)  # proposers (engine/speculative.py)
+SPECULATIVE = ("ngram", "suffix")  # proposers (engine/speculative.py)
 # what float checkpoints' matrices become at load by default (RuntimeConfig.float_scheme)
 FLOAT_CHECKPOINT_SCHEME = "int8_g32"
 DEFAULT_MAX_MODEL_LEN = 4096  # KV memory grows with it; models may allow more
@@ -593,8 +593,9 @@ class RuntimeConfig:
     max_tokens_per_step: int = _option(256, "token budget of a step (prefill chunks + decode tokens)")
     speculative: str | None = _option(
         None, "speculative decoding: ngram (propose what followed the last tokens' earlier occurrence in the "
-        "prompt or output, verified in one step; the output is the same tokens, greedy or seeded) "
-        "(default: off)", choices=SPECULATIVE)
+        "prompt or output) or suffix (the most frequent continuation of the longest matching context in the "
+        "prompt, the output and recent requests' outputs), verified in one step; the output is the same "
+        "tokens, greedy or seeded (default: off)", choices=SPECULATIVE)
     num_speculative_tokens: int = _option(
         8, "speculative decoding: most tokens proposed per step for a sequence (adapts to its acceptance)")
     speculative_cost_model: bool = _option(

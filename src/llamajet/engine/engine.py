@@ -413,6 +413,8 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
+        if self.proposer is not None and hasattr(self.proposer, "finished"):
+            self.proposer.finished(seq)
         seq.finish_time = time.perf_counter()
         first = seq.first_token_time or seq.finish_time
         self.last_stats = RequestStats(

@@ -56,6 +56,7 @@ any output: only how many tokens a step verifies.
 from __future__ import annotations
 
 import time
+from collections import deque
 
 
 class NgramProposer:
@@ -201,9 +202,113 @@ def measure_step_cost(run_step, sizes, reps: int = 2) -> StepCost:
     return StepCost(pts)
 
 
+class SuffixIndex:
+    """Counts of what followed each context: for every position p of the
+    token lists added and every n in 1..depth, the context ids[p - n : p]
+    maps to {ids[p]: times seen}. Adding with sign -1 takes a list back out
+    (the recent-outputs cache evicts that way)."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self.next: dict[tuple[int, ...], dict[int, int]] = {}
+
+    def add(self, ids: list[int], start: int, stop: int | None = None, sign: int = 1) -> None:
+        """Counts the tokens at positions [start, stop) after their contexts."""
+        nxt, depth = self.next, self.depth
+        for p in range(max(start, 1), len(ids) if stop is None else stop):
+            tok = ids[p]
+            for n in range(1, min(depth, p) + 1):
+                ctx = tuple(ids[p - n : p])
+                d = nxt.get(ctx)
+                if d is None:
+                    d = nxt[ctx] = {}
+                c = d.get(tok, 0) + sign
+                if c > 0:
+                    d[tok] = c
+                else:
+                    d.pop(tok, None)
+                    if not d:
+                        del nxt[ctx]
+
+    def longest(self, ids: list[int]) -> tuple[int, dict[int, int] | None]:
+        """The longest suffix of ids (at most depth tokens) seen as a context, and its counts."""
+        for n in range(min(self.depth, len(ids)), 0, -1):
+            d = self.next.get(tuple(ids[len(ids) - n:]))
+            if d:
+                return n, d
+        return 0, None
+
+
+class SuffixProposer:
+    """Suffix decoding (as vLLM's, after Arctic Inference's): the sequence's
+    own tokens (prompt and output) and the outputs of recent requests (agent
+    loops and repeated tasks write the same things again) are indexed by
+    context (SuffixIndex, contexts up to `depth` tokens). A proposal follows
+    the most frequent continuation of the longest context that matches the
+    sequence's last tokens, token after token (each step matching again with
+    the proposed tokens appended), while the product of the continuations'
+    frequencies — the proposal's confidence — stays at least `min_prob`.
+    Where both indexes match, the longer context wins, then the more
+    frequent continuation; ties go to the lower token id (a proposal is a
+    function of what was indexed). The recent outputs are bounded by
+    `max_cached_tokens`, oldest taken back out first."""
+
+    # depth 8: indexing costs `depth` dict updates per token in Python (a 2000-token prompt: ~20 ms)
+    def __init__(self, k: int, depth: int = 8, min_prob: float = 0.1, max_cached_tokens: int = 1 << 16) -> None:
+        self.k, self.depth, self.min_prob = k, depth, min_prob
+        self.max_cached_tokens = max_cached_tokens
+        self.recent = SuffixIndex(depth)
+        self._cached: deque[tuple[list[int], int]] = deque()  # (tokens, first output position)
+        self._cached_tokens = 0
+
+    def propose(self, seq) -> list[int]:
+        st = seq.spec
+        if st is None:
+            st = seq.spec = SpecState(self.k)
+            st.index = SuffixIndex(self.depth)
+        ids = seq.token_ids
+        st.index.add(ids, st.upto, len(ids))
+        st.upto = len(ids)
+        k = min(st.k, seq.params.max_tokens - seq.num_output - 1)
+        out: list[int] = []
+        conf = 1.0
+        ctx = ids[-self.depth:]
+        while len(out) < k:
+            best = None
+            for n, d in (st.index.longest(ctx), self.recent.longest(ctx)):
+                if d:
+                    tok, c = min(d.items(), key=lambda kv: (-kv[1], kv[0]))
+                    key = (n, c / sum(d.values()))
+                    if best is None or key > best[0]:
+                        best = (key, tok)
+            if best is None:
+                break
+            conf *= best[0][1]
+            if conf < self.min_prob:
+                break
+            out.append(best[1])
+            ctx = (ctx + [best[1]])[-self.depth:]
+        return out
+
+    def finished(self, seq) -> None:
+        """A finished sequence's output joins the recent outputs (contexts may reach into its prompt)."""
+        ids, start = list(seq.token_ids), seq.num_prompt
+        if len(ids) <= start:
+            return
+        self.recent.add(ids, start)
+        self._cached.append((ids, start))
+        self._cached_tokens += len(ids) - start
+        while self._cached_tokens > self.max_cached_tokens and self._cached:
+            old, s0 = self._cached.popleft()
+            self.recent.add(old, s0, sign=-1)
+            self._cached_tokens -= len(old) - s0
+
+
 def make_proposer(name: str | None, k: int):
     if name is None:
         return None
     if name == "ngram":
         return NgramProposer(k)
+    if name == "suffix":
+        return SuffixProposer(k)
     raise ValueError(f"unknown proposer {name!r}")
