@@ -32,6 +32,14 @@ def pair(smollm2_gguf):
 
 
 @pytest.fixture(scope="module")
+def draft(smollm2_gguf):
+    """The default model's first 20 of 30 layers draft for it (speculative="layers:20"), every
+    proposal verified."""
+    return LLM(smollm2_gguf, speculative="layers:20", speculative_cost_model=False, max_model_len=512,
+               n_threads=2)
+
+
+@pytest.fixture(scope="module")
 def suffix(smollm2_gguf):
     """A suffix-decoding engine of the default model, every proposal verified."""
     return LLM(smollm2_gguf, speculative="suffix", speculative_cost_model=False, max_model_len=512, n_threads=2)
@@ -47,12 +55,11 @@ def _check_pool_empty(llm):
     assert b.num_free == b.num_blocks
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "suffix"])
+@pytest.mark.parametrize("proposer", ["ngram", "suffix", "draft"])
 @pytest.mark.parametrize("name", list(CONVS))
-def test_greedy_output_is_bit_identical(pair, suffix, name, proposer):
+def test_greedy_output_is_bit_identical(pair, suffix, draft, name, proposer):
     plain, spec = pair
-    if proposer == "suffix":
-        spec = suffix
+    spec = {"ngram": spec, "suffix": suffix, "draft": draft}[proposer]
     ids = _ids(plain, CONVS[name])
     p = SamplingParams(max_tokens=160, temperature=0, logprobs=2)
     st = spec.engine.stats
@@ -63,7 +70,7 @@ def test_greedy_output_is_bit_identical(pair, suffix, name, proposer):
     for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
         assert {k: v.logprob for k, v in x.items()} == {k: v.logprob for k, v in y.items()}
     drafted, accepted = st.spec_draft_tokens - before[0], st.spec_accepted_tokens - before[1]
-    if name == "repeat":  # the reply copies its input: most proposals hold, in fewer steps than tokens
+    if name == "repeat" and proposer != "draft":  # the reply copies its input: most proposals hold
         assert accepted >= 0.5 * len(a.token_ids), (accepted, drafted, len(a.token_ids))
         assert st.steps - before[2] < 0.6 * len(a.token_ids)
     _check_pool_empty(spec)
@@ -104,8 +111,10 @@ def test_stop_strings_and_max_tokens_inside_accepted_runs(pair):
     _check_pool_empty(spec)
 
 
-def test_json_schema_n2_and_batches(pair):
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_json_schema_n2_and_batches(pair, draft, proposer):
     plain, spec = pair
+    spec = draft if proposer == "draft" else spec
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "items": {"type": "array", "items":
               {"type": "string"}}}, "required": ["name", "items"]}
     conv = [{"role": "user", "content": "Give a JSON object with a name and a list of three fruits, repeated: "
@@ -134,10 +143,11 @@ def test_json_schema_n2_and_batches(pair):
     _check_pool_empty(spec)
 
 
-def test_preemption_with_proposals(smollm2_gguf, pair):
+@pytest.mark.parametrize("proposer", ["ngram", "layers:20"])
+def test_preemption_with_proposals(smollm2_gguf, pair, proposer):
     plain, _ = pair
     # a pool of 6 blocks of 16 tokens: three sequences of ~60 tokens cannot all run
-    small = LLM(smollm2_gguf, speculative="ngram", speculative_cost_model=False, max_model_len=96,
+    small = LLM(smollm2_gguf, speculative=proposer, speculative_cost_model=False, max_model_len=96,
                 kv_cache_tokens=96, n_threads=2)
     ids = [_ids(plain, [{"role": "user", "content": f"Say {w} five times."}]) for w in ("yes", "no", "maybe")]
     ids = [i[-40:] for i in ids]
@@ -467,3 +477,40 @@ def test_suffix_decoding_learns_from_recent_requests(suffix, pair):
     assert a.token_ids == b.token_ids == plain.generate(ids, p)[0].token_ids
     assert acc2 >= 0.8 * (len(b.token_ids) - 1), (acc1, acc2, len(b.token_ids))
     _check_pool_empty(suffix)
+
+
+# ------------------------------------------------------------ draft models
+
+
+def test_the_model_drafting_for_itself_is_always_right(smollm2_gguf, pair):
+    """draft:PATH with the model's own file: the draft computes the rows the target does (same
+    kernels, same bits), so every proposal is accepted, and the draft computes each prompt token
+    once (afterwards only the tokens accepted since its last proposal and its own proposals)."""
+    plain, _ = pair
+    llm = LLM(smollm2_gguf, speculative=f"draft:{smollm2_gguf}", speculative_cost_model=False,
+              max_model_len=512, n_threads=2)
+    ids = _ids(plain, FREE)
+    p = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    out = llm.generate(ids, p)[0]
+    assert out.token_ids == plain.generate(ids, p)[0].token_ids
+    st, pr = llm.engine.stats, llm.engine.proposer
+    assert st.spec_draft_tokens > 50 and st.spec_accepted_tokens == st.spec_draft_tokens
+    assert st.steps <= 1 + 100 // 4  # prefill, then up to 1 + 8 tokens a step
+    # the draft's tokens: the prompt and the first sampled token once, then per verification of k
+    # tokens the k - 1 proposals before the last (whose K/V the next proposal's row needs), and at each
+    # later proposal the 2 known tokens after them (the last proposal, accepted, and the target's own)
+    D, R = st.spec_draft_tokens, st.spec_drafts
+    assert pr.tokens == (len(ids) + 1) + (D - R) + 2 * (R - 1) and pr.proposed == D
+    _check_pool_empty(llm)
+
+
+def test_draft_refusals(smollm2_gguf, stories_hf):
+    from llamajet.errors import RequestError
+
+    with pytest.raises(RequestError, match="vocabulary has 512 ids"):
+        LLM(smollm2_gguf, speculative=f"draft:{stories_hf}", max_model_len=128)
+    with pytest.raises(RequestError, match="1..29 of the model's 30 layers"):
+        LLM(smollm2_gguf, speculative="layers:30", max_model_len=128)
+    for bad in ("draft:", "layers:x", "medusa"):
+        with pytest.raises(RequestError, match="speculative"):
+            LLM(smollm2_gguf, speculative=bad, max_model_len=128)

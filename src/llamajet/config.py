@@ -595,7 +595,8 @@ class RuntimeConfig:
         None, "speculative decoding: ngram (propose what followed the last tokens' earlier occurrence in the "
         "prompt or output) or suffix (the most frequent continuation of the longest matching context in the "
         "prompt, the output and recent requests' outputs), verified in one step; the output is the same "
-        "tokens, greedy or seeded (default: off)", choices=SPECULATIVE)
+        "tokens, greedy or seeded; draft:PATH (a smaller model with the same vocabulary proposes greedily) or "
+        "layers:N (the model's own first N layers do) (default: off)")
     num_speculative_tokens: int = _option(
         8, "speculative decoding: most tokens proposed per step for a sequence (adapts to its acceptance)")
     speculative_cost_model: bool = _option(
@@ -614,8 +615,10 @@ class RuntimeConfig:
         v = self.act_outliers
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_ACT_OUTLIERS:
             bad("act_outliers", f"must be an integer in 0..{MAX_ACT_OUTLIERS}")
-        if self.speculative not in (None,) + SPECULATIVE:
-            bad("speculative", f"use one of {', '.join(SPECULATIVE)} or None")
+        sp = self.speculative
+        if not (sp is None or sp in SPECULATIVE or (isinstance(sp, str) and (
+                (sp.startswith("draft:") and len(sp) > 6) or (sp.startswith("layers:") and sp[7:].isdigit())))):
+            bad("speculative", f"use one of {', '.join(SPECULATIVE)}, draft:PATH, layers:N or None")
         for name in ("block_size", "max_num_seqs", "max_tokens_per_step", "num_speculative_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -86,7 +86,8 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, max_num_seqs=runner.max_seqs, max_tokens=runner.max_tokens,
                                    max_rows=runner.max_out)
         self._all_rows = np.arange(runner.max_out, dtype=np.int32)
-        self.proposer = make_proposer(self.config.speculative, self.config.num_speculative_tokens)
+        self.proposer = make_proposer(self.config.speculative, self.config.num_speculative_tokens, runner,
+                                      self.blocks)
         self._inbox: deque[tuple[str, Sequence]] = deque()  # from other threads, see post()
         self.lock = threading.Lock()  # see the module docstring
         self.last_stats = RequestStats()
@@ -246,7 +247,7 @@ class Engine:
         (engine/speculative.py); none for one still in its prompt, scoring
         it, or about to fork."""
         limit = self.max_model_len
-        base, proposing = 0, []  # the step's tokens without proposals; the sequences with one
+        base, eligible = 0, []  # the step's tokens without proposals; who may propose, with its room
         for seq in self.scheduler.running:
             seq.draft = []
             left = seq.num_tokens - seq.num_computed
@@ -254,11 +255,21 @@ class Engine:
             if left == 1 and not seq.forks and seq.scoring_from is None and seq.params.speculative:
                 room = limit - seq.num_tokens  # the last proposed token's position stays < max_model_len
                 if room > 0:
-                    seq.draft = self.proposer.propose(seq)[:room]
-                    if seq.draft:
-                        proposing.append(seq)
+                    eligible.append((seq, room))
+        if not eligible:
+            return
+        many = getattr(self.proposer, "propose_many", None)  # a draft model: one batched run for all
+        drafts = many(eligible) if many else [self.proposer.propose(seq) for seq, _ in eligible]
+        proposing = []
+        for (seq, room), d in zip(eligible, drafts):
+            seq.draft = d[:room]
+            if seq.draft:
+                proposing.append(seq)
         if self.step_cost is not None and proposing:
             self._plan_drafts(min(base, self.config.step_tokens), proposing)
+        if many:  # the draft took blocks for all it proposed: back what the plan dropped
+            for seq, _ in eligible:
+                self.blocks.truncate(seq, seq.num_tokens + len(seq.draft))
 
     def _plan_drafts(self, base: int, seqs: list[Sequence]) -> None:
         """Cuts the proposals to what the step-cost model says pays

@@ -92,7 +92,8 @@ class SpecState:
     length, and its recent acceptance (decayed counts of accepted tokens and
     of verifications that ended in a rejection)."""
 
-    __slots__ = ("index", "upto", "k", "k_max", "acc", "rej", "skipped", "probe_gap", "probing")
+    __slots__ = ("index", "upto", "k", "k_max", "acc", "rej", "skipped", "probe_gap", "probing",
+                 "dtoks", "dtable", "dvers")
 
     DECAY = 0.8  # weight of the verification before the latest: about the last 5 count
     PROBE_GAP, PROBE_GAP_MAX = 4, 64  # plan decisions dropping a proposal before a probe
@@ -105,6 +106,11 @@ class SpecState:
         self.skipped = 0
         self.probe_gap = self.PROBE_GAP
         self.probing = False  # the proposal being verified is a probe (engine.Engine._plan_drafts)
+        # a draft model's view (engine/draft.py): the tokens its K/V holds by position, the block
+        # ids that held them and those blocks' write counts then
+        self.dtoks: list[int] = []
+        self.dtable: list[int] = []
+        self.dvers: list[int] = []
 
     def update(self, proposed: int, accepted: int) -> None:
         """After a verification: propose one more than was accepted; twice as many when all were."""
@@ -304,11 +310,17 @@ class SuffixProposer:
             self._cached_tokens -= len(old) - s0
 
 
-def make_proposer(name: str | None, k: int):
+def make_proposer(name: str | None, k: int, runner=None, blocks=None):
+    """The proposer of RuntimeConfig.speculative; a draft model (draft:PATH,
+    layers:N) needs the target's runner and block manager."""
     if name is None:
         return None
     if name == "ngram":
         return NgramProposer(k)
     if name == "suffix":
         return SuffixProposer(k)
+    if name.startswith(("draft:", "layers:")):
+        from llamajet.engine.draft import DraftProposer
+
+        return DraftProposer(k, name, runner, blocks)
     raise ValueError(f"unknown proposer {name!r}")
