@@ -446,6 +446,39 @@ def test_gguf_twins_matmul_a8_matches_reference(isa, name, M):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("name", GGUF_TYPES + ["int4_sym_g128", "int4_asym_g32"])
+def test_matmul_a8_at_the_largest_integer_sums(isa, name):
+    """Every code at its largest (GGUF blocks of 0xFF bytes besides their fp16 scales; RTN weights
+    whose groups hold their maximum) times activations all quantized to +127 or -127: the largest
+    partial sums the integer dots make. The AVX2 tier sums vpmaddubsw's int16 pairs in int16 lanes
+    for several chunks before widening (vec/avx2.h; tile_a8's bound P); a bound one chunk too large
+    wraps a lane here and misses the reference by its whole scale."""
+    n, k = 37, 1024
+    if name.startswith("int4"):
+        w = np.ones((n, k), np.float32)
+        w[:, ::32] = -1.0  # asymmetric groups need a spread: codes 15 and 0
+        pw = quantize_rtn("w", w, get_scheme(name))
+    else:
+        raw, qt = gguf_blocks(name, n, k, seed=3)
+        qk, bb = gguf.GGML_QUANT_SIZES[qt]
+        b = raw.reshape(n, k // qk, bb)
+        keep = np.zeros(bb, bool)
+        for o in _FP16_FIELDS[name]:
+            keep[o : o + 2] = True
+        b[..., ~keep] = 0xFF
+        pw = repack_gguf(Weight("w", Kind.MATRIX, name, (n, k), b.reshape(n, -1)))
+    deq = dequantize(pw)
+    for sign in (1.0, -1.0):
+        x = np.full((3, k), sign, np.float32)
+        x[1, ::2] = -sign  # and alternating signs
+        ref = matmul_a8_reference(x, pw)
+        bound = (3 * (k // pw.group) + 2) * 2.0**-24 * (np.abs(x) @ np.abs(deq).T) * 4 + 1e-30
+        for nth in (1, 2):
+            got = _run_matmul(isa, nth, x, pw, a16=False)
+            assert np.all(np.abs(got - ref) <= bound), np.abs(got - ref).max()
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("name", GGUF_TYPES[3:])
 def test_gguf_twins_matmul_a16_and_embedding(isa, name):
     n, k = 37, 512

@@ -62,6 +62,23 @@ inline VecI dot_s8s8(VecI acc, VecI w, int32_t x4) {
   return {_mm256_add_epi32(acc.v, _mm256_madd_epi16(p16, _mm256_set1_epi16(1)))};
 }
 inline VecI iadd(VecI a, VecI b) { return {_mm256_add_epi32(a.v, b.v)}; }
+// 16-bit partial sums (no vpdpbusd here): vpmaddubsw's int16 pair sums are
+// added in int16 lanes (VecW, 2 per int32 lane of VecI) and widened by one
+// vpmaddwd (x 1, pairs -> int32) once per several products instead of once
+// per product: 1 + 1/n multiply-port ops per 32 products instead of 2 (the
+// multiply ports bound the W*A8 inner loop on AVX2: Zen 1 runs 256-bit
+// multiplies at half rate). Exact while every int16 lane stays in range,
+// which the caller bounds (tile_a8's acc16_chunks); the int32 sums, and so
+// every result, are those of dot_u8s8.
+#define LJ_VEC_ACC16 1
+struct VecW { __m256i v; };
+inline VecW wzero() { return {_mm256_setzero_si256()}; }
+inline VecW dot_u8s8_w(VecW acc, VecI w, const int8_t* p) {
+  int32_t x4;
+  std::memcpy(&x4, p, 4);
+  return {_mm256_add_epi16(acc.v, _mm256_maddubs_epi16(w.v, _mm256_set1_epi32(x4)))};
+}
+inline VecI widen_add(VecI acc, VecW a) { return {_mm256_add_epi32(acc.v, _mm256_madd_epi16(a.v, _mm256_set1_epi16(1)))}; }
 // K-quant super-block sums (see vec/avx512.h; vpmaddwd + add for vpdpwssd)
 inline VecI imul(VecI a, VecI b) { return {_mm256_mullo_epi32(a.v, b.v)}; }
 inline VecI load_u8i(const uint8_t* p) { return {_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p))}; }
