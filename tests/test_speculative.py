@@ -338,6 +338,15 @@ def test_step_cost_interpolates_and_follows_observed_steps():
         c.observe(2, 19.0)
     assert c.ratio(1, 1) == pytest.approx(1.9, rel=0.01)
     assert plan(1, [(0.8, 1)], c) == [0]
+    # batches: 4 sequences' 4-token steps cost twice one sequence's 4-token step (4 contexts' attention);
+    # the cells never observed at batch 4 (4 + k tokens) are predicted with that batch's factor, so the
+    # cost of k proposed tokens at batch 4 keeps the measured shape instead of looking half as dear
+    c = StepCost(ZEN1)
+    for _ in range(80):
+        c.observe(4, 2 * c.shape(4), batch=4)
+    assert c.factor[4] == pytest.approx(2.0, rel=1e-3) and 1 not in c.factor
+    assert c.ratio(4, 2, batch=4) == pytest.approx(c.shape(6) / c.shape(4), rel=1e-3)
+    assert c(4, 1) == c.shape(4)  # batch 1 untouched
 
 
 def test_probes_back_off_while_they_fail():
@@ -386,6 +395,7 @@ def test_cost_model_in_the_engine(smollm2_gguf, pair):
     llm = LLM(smollm2_gguf, speculative="ngram", max_model_len=512, n_threads=2)
     eng = llm.engine
     assert sorted(eng.step_cost.t)[:3] == [1, 2, 3] and all(v > 0 for v in eng.step_cost.t.values())
+    assert eng.step_cost.cells == {}  # the measurement is the shape; observed steps come after
     assert eng.stats.steps == 0 and eng.blocks.num_cached == 0
     _check_pool_empty(llm)
     p = SamplingParams(max_tokens=96, temperature=0)

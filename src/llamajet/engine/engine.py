@@ -206,7 +206,7 @@ class Engine:
         t0 = time.perf_counter()
         logits = self.runner.run(out.scheduled, out.copies)
         if self.step_cost is not None:
-            self.step_cost.observe(out.num_tokens, time.perf_counter() - t0)
+            self.step_cost.observe(out.num_tokens, time.perf_counter() - t0, len(out.scheduled))
         st = self.stats
         st.steps += 1
         st.tokens += out.num_tokens
@@ -248,6 +248,7 @@ class Engine:
         it, or about to fork."""
         limit = self.max_model_len
         base, eligible = 0, []  # the step's tokens without proposals; who may propose, with its room
+        batch = len(self.scheduler.running)
         for seq in self.scheduler.running:
             seq.draft = []
             left = seq.num_tokens - seq.num_computed
@@ -266,23 +267,27 @@ class Engine:
             if seq.draft:
                 proposing.append(seq)
         if self.step_cost is not None and proposing:
-            self._plan_drafts(min(base, self.config.step_tokens), proposing)
+            self._plan_drafts(min(base, self.config.step_tokens), proposing, batch)
         if many:  # the draft took blocks for all it proposed: back what the plan dropped
             for seq, _ in eligible:
                 self.blocks.truncate(seq, seq.num_tokens + len(seq.draft))
 
-    def _plan_drafts(self, base: int, seqs: list[Sequence]) -> None:
+    def _plan_drafts(self, base: int, seqs: list[Sequence], batch: int = 1) -> None:
         """Cuts the proposals to what the step-cost model says pays
         (speculative.plan); a sequence whose proposals it keeps dropping is
         probed at PROBE_ACCEPTANCE now and then (SpecState.probe_gap)."""
         prior = (self._spec_acc + 0.5) / (self._spec_acc + self._spec_rej + 1.0)
         cands = [(seq.spec.acceptance(prior, 2.0), len(seq.draft)) for seq in seqs]
-        for seq, k, (_, n) in zip(seqs, plan(base, cands, self.step_cost), cands):
+
+        def cost(n: int) -> float:
+            return self.step_cost(n, batch)
+
+        for seq, k, (_, n) in zip(seqs, plan(base, cands, cost), cands):
             st = seq.spec
             if k == 0:
                 st.skipped += 1
                 if st.skipped >= st.probe_gap:
-                    k = plan(base, [(PROBE_ACCEPTANCE, n)], self.step_cost)[0]
+                    k = plan(base, [(PROBE_ACCEPTANCE, n)], cost)[0]
                     st.probing = k > 0
                     st.skipped = 0
             else:

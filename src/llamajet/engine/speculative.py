@@ -133,11 +133,20 @@ PROBE_ACCEPTANCE = 0.9
 
 
 class StepCost:
-    """t(T), the seconds of a step of T tokens: points measured at startup,
-    each moved toward the step times observed after (an exponential average,
-    EMA of the latest), linear between points and along the last two beyond.
-    A T never seen starts from that prediction, so one slow step moves it
-    only by EMA of the difference."""
+    """t(T, B), the seconds of a step of T tokens over B sequences.
+
+    Startup measures the shape, t(T) for one sequence (`t`: linear between
+    points, along the last two beyond). A step of B sequences costs more than
+    one sequence's step of as many tokens (attention over B contexts, B
+    tables), so each batch size B has a factor, the exponential average (EMA
+    of the latest) of observed time over the shape's: an unobserved (T, B)
+    is predicted as shape(T) x factor(B), and a (T, B) observed has its own
+    average, started from that prediction (one slow step moves it by EMA of
+    the difference). The baseline of a decision (B tokens, the B sequences'
+    last ones) and the candidates (B + k tokens) are then predicted alike,
+    with no bias between a cell seen every step and cells seen seldom; and a
+    busy machine, which may change the ratios themselves, moves the cells
+    it is observed in."""
 
     EMA = 0.1
 
@@ -146,8 +155,10 @@ class StepCost:
             raise ValueError("StepCost needs at least one positive step time")
         self.t = dict(points)
         self._keys = sorted(self.t)
+        self.cells: dict[tuple[int, int], float] = {}  # (T, B) -> observed seconds (EMA)
+        self.factor: dict[int, float] = {}  # B -> observed / shape (EMA)
 
-    def __call__(self, n: int) -> float:
+    def shape(self, n: int) -> float:
         t, ks = self.t, self._keys
         if n in t:
             return t[n]
@@ -157,15 +168,19 @@ class StepCost:
         a, b = (ks[0], ks[1]) if i == 0 else (ks[-2], ks[-1]) if i == len(ks) else (ks[i - 1], ks[i])
         return max(t[a] + (t[b] - t[a]) * (n - a) / (b - a), 1e-9)
 
-    def observe(self, n: int, seconds: float) -> None:
-        prev = self(n)
-        self.t[n] = prev + self.EMA * (seconds - prev)
-        if n not in self._keys:
-            self._keys = sorted(self.t)
+    def __call__(self, n: int, batch: int = 1) -> float:
+        c = self.cells.get((n, batch))
+        return c if c is not None else self.shape(n) * self.factor.get(batch, 1.0)
 
-    def ratio(self, base: int, extra: int) -> float:
-        """t(base + extra) / t(base): what `extra` proposed tokens cost a step of `base`."""
-        return self(base + extra) / self(base)
+    def observe(self, n: int, seconds: float, batch: int = 1) -> None:
+        prev = self(n, batch)
+        f = self.factor.get(batch, 1.0)
+        self.factor[batch] = f + self.EMA * (seconds / self.shape(n) - f)
+        self.cells[(n, batch)] = prev + self.EMA * (seconds - prev)
+
+    def ratio(self, base: int, extra: int, batch: int = 1) -> float:
+        """t(base + extra) / t(base) at `batch` sequences: what `extra` proposed tokens cost a step."""
+        return self(base + extra, batch) / self(base, batch)
 
 
 def plan(base: int, cands: list[tuple[float, int]], cost) -> list[int]:
