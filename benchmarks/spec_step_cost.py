@@ -56,7 +56,11 @@ def main() -> None:
     ap.add_argument("--draft", default=None, help="a draft model path: its cost per proposed token")
     a = ap.parse_args()
     batches, ks = [int(v) for v in a.batch.split(",")], [int(v) for v in a.ks.split(",")]
-    llm = LLM(a.model, max_model_len=1024, enable_prefix_caching=False, max_num_seqs=max(batches))
+    # rows: a step of B sequences with k proposals each returns B (1 + k) logits rows (max_out follows
+    # max_num_seqs up to the step's token budget)
+    rows = max(batches) * (1 + max(ks))
+    llm = LLM(a.model, max_model_len=1024, enable_prefix_caching=False, max_num_seqs=max(64, rows),
+              max_tokens_per_step=max(256, rows))
     r = llm.engine.runner
     load0 = os.getloadavg()[0]
     print(f"model {llm.path.name}, isa {r.isa}, threads {r.n_threads}, {a.ctx} known tokens per sequence, "
