@@ -71,6 +71,7 @@ class Metrics:
         for m in (self.prefix_queries, self.prefix_hits, self.prompt_tokens, self.generation_tokens,
                   self.preemptions, self.spec_drafts, self.spec_draft_tokens, self.spec_accepted):
             m.labels(model_name)  # exported at 0 before the first request
+        self.spec_per_pos.labels(model_name, "0")  # exported at 0 (the dashboard's query) before any proposal
         for reason in ("stop", "length", "tool_calls", "abort"):
             self.success.labels(model_name, reason)
         for code in ("400", "401", "404", "413", "429", "500", "503"):
