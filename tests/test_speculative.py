@@ -524,3 +524,27 @@ def test_draft_refusals(smollm2_gguf, stories_hf):
     for bad in ("draft:", "layers:x", "medusa"):
         with pytest.raises(RequestError, match="speculative"):
             LLM(smollm2_gguf, speculative=bad, max_model_len=128)
+
+
+def test_draft_computes_only_what_the_plan_verifies(smollm2_gguf, pair):
+    """With the cost model a draft model's tokens are planned before it runs (their own cost added:
+    draft_cost, measured at start): where nothing pays the draft computes nothing at all; where
+    steps are nearly free and the draft cheap, it proposes and the target verifies all it computed."""
+    from llamajet.engine.speculative import StepCost
+
+    plain, _ = pair
+    llm = LLM(smollm2_gguf, speculative="layers:10", max_model_len=512, n_threads=2)
+    eng, pr = llm.engine, llm.engine.proposer
+    assert eng.draft_cost is not None and eng.draft_cost > 0
+    ids = _ids(plain, CODE)
+    p = SamplingParams(max_tokens=48, temperature=0)
+    eng.step_cost = StepCost({n: float(n) for n in (1, 2, 9)})  # every token a whole step: nothing pays
+    eng.step_cost.EMA = 0.0
+    assert llm.generate(ids, p)[0].token_ids == plain.generate(ids, p)[0].token_ids
+    assert pr.tokens == 0 and pr.steps == 0 and eng.stats.spec_draft_tokens == 0
+    eng.step_cost = StepCost(MEMBOUND)
+    eng.step_cost.EMA = 0.0
+    eng.draft_cost = 1e-6  # and a draft that costs nothing
+    assert llm.generate(ids, p)[0].token_ids == plain.generate(ids, p)[0].token_ids
+    assert pr.proposed > 0 and eng.stats.spec_draft_tokens == pr.proposed
+    _check_pool_empty(llm)

@@ -81,6 +81,15 @@ class DraftProposer:
     def propose(self, seq) -> list[int]:
         return self.propose_many([(seq, self.runner.max_model_len - seq.num_tokens)])[0]
 
+    def state(self, seq) -> SpecState:
+        if seq.spec is None:
+            seq.spec = SpecState(self.k)
+        return seq.spec
+
+    def length(self, seq, room: int) -> int:
+        """How many tokens seq would propose now: its adaptive length, within max_tokens and the context."""
+        return max(0, min(self.state(seq).k, seq.params.max_tokens - seq.num_output - 1, room))
+
     def _valid(self, seq, st) -> int:
         """Positions [0, L) whose draft K/V is valid (see the module docstring), L <= num_tokens - 1."""
         ids, bs = seq.token_ids, self.blocks.block_size
@@ -95,19 +104,19 @@ class DraftProposer:
                 return i * bs
         return L
 
-    def propose_many(self, items) -> list[list[int]]:
+    def propose_many(self, items, limits: list[int] | None = None) -> list[list[int]]:
         """Proposals for (sequence, room) pairs: room = the positions left in
-        the context after the sequence's tokens."""
+        the context after the sequence's tokens; limits: at most that many
+        for each (the engine's plan)."""
         blocks, bs = self.blocks, self.blocks.block_size
         out: list[list[int]] = [[] for _ in items]
         work = []  # [index, seq, next position to compute, k]
         for i, (seq, room) in enumerate(items):
-            st = seq.spec
-            if st is None:
-                st = seq.spec = SpecState(self.k)
-                st.dtoks, st.dtable, st.dvers = [], [], []
+            st = self.state(seq)
             n = seq.num_tokens
-            k = min(st.k, seq.params.max_tokens - seq.num_output - 1, room)
+            k = self.length(seq, room)
+            if limits is not None:
+                k = min(k, limits[i])
             if k <= 0:
                 continue
             ncopies = len(blocks.pending_copies)

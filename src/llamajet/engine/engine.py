@@ -96,6 +96,7 @@ class Engine:
         # speculative decoding's step-cost model (engine/speculative.py), and the
         # acceptance across sequences (decayed counts), each sequence's prior
         self.step_cost = None
+        self.draft_cost = None  # a draft model's seconds per proposed token (engine/draft.py)
         self._spec_acc = self._spec_rej = 0.0
         if self.proposer is not None and self.config.speculative_cost_model:
             self.step_cost = self._measure_step_cost()
@@ -259,28 +260,57 @@ class Engine:
                     eligible.append((seq, room))
         if not eligible:
             return
+        base = min(base, self.config.step_tokens)
         many = getattr(self.proposer, "propose_many", None)  # a draft model: one batched run for all
-        drafts = many(eligible) if many else [self.proposer.propose(seq) for seq, _ in eligible]
+        if many:
+            self._propose_draft(base, eligible, batch)
+            return
         proposing = []
-        for (seq, room), d in zip(eligible, drafts):
-            seq.draft = d[:room]
+        for seq, room in eligible:
+            seq.draft = self.proposer.propose(seq)[:room]
             if seq.draft:
                 proposing.append(seq)
         if self.step_cost is not None and proposing:
-            self._plan_drafts(min(base, self.config.step_tokens), proposing, batch)
-        if many:  # the draft took blocks for all it proposed: back what the plan dropped
-            for seq, _ in eligible:
-                self.blocks.truncate(seq, seq.num_tokens + len(seq.draft))
+            self._plan_drafts(base, proposing, batch)
 
-    def _plan_drafts(self, base: int, seqs: list[Sequence], batch: int = 1) -> None:
+    def _propose_draft(self, base: int, eligible: list[tuple[Sequence, int]], batch: int) -> None:
+        """A draft model's proposals. Its tokens cost time before the step
+        (draft_cost seconds each, measured at start, then as observed), so
+        the plan runs first, on the lengths the sequences would propose, with
+        that cost added, and the draft computes only the tokens the plan
+        keeps; none at all where none pays."""
+        p = self.proposer
+        limits = None
+        if self.step_cost is not None:
+            seqs = []
+            for seq, room in eligible:
+                if seq.spec is None:
+                    p.state(seq)
+                seq.draft = [0] * p.length(seq, room)  # placeholders: only their count is planned
+                seqs.append(seq)
+            self._plan_drafts(base, seqs, batch, per_token=self.draft_cost)
+            limits = [len(seq.draft) for seq in seqs]
+        t0 = time.perf_counter()
+        drafts = p.propose_many(eligible, limits)
+        n = sum(map(len, drafts))
+        if n and self.draft_cost is not None:
+            self.draft_cost += self.step_cost.EMA * ((time.perf_counter() - t0) / n - self.draft_cost)
+        for (seq, room), d in zip(eligible, drafts):
+            seq.draft = d[:room]
+            # the draft took blocks for what it computed: back any past what is verified
+            self.blocks.truncate(seq, seq.num_tokens + len(seq.draft))
+
+    def _plan_drafts(self, base: int, seqs: list[Sequence], batch: int = 1, per_token: float | None = None) -> None:
         """Cuts the proposals to what the step-cost model says pays
-        (speculative.plan); a sequence whose proposals it keeps dropping is
-        probed at PROBE_ACCEPTANCE now and then (SpecState.probe_gap)."""
+        (speculative.plan), each proposed token also costing `per_token`
+        seconds (a draft model's); a sequence whose proposals it keeps
+        dropping is probed at PROBE_ACCEPTANCE now and then (SpecState.probe_gap)."""
         prior = (self._spec_acc + 0.5) / (self._spec_acc + self._spec_rej + 1.0)
         cands = [(seq.spec.acceptance(prior, 2.0), len(seq.draft)) for seq in seqs]
+        extra = per_token or 0.0
 
         def cost(n: int) -> float:
-            return self.step_cost(n, batch)
+            return self.step_cost(n, batch) + extra * (n - base)
 
         for seq, k, (_, n) in zip(seqs, plan(base, cands, cost), cands):
             st = seq.spec
@@ -317,7 +347,15 @@ class Engine:
                 if spent > 1.0:
                     break
             run_step(1)
-            return measure_step_cost(run_step, sizes, reps=1)
+            cost = measure_step_cost(run_step, sizes, reps=1)
+            draft = getattr(self.proposer, "runner", None)
+            if draft is not None:  # the draft's 1-token step, in the same blocks of its own pool
+                one = [ScheduledSeq(seq, 0, 1, True)]
+                draft.run(one)
+                t0 = time.perf_counter()
+                draft.run(one)
+                self.draft_cost = time.perf_counter() - t0
+            return cost
         finally:
             self.blocks.free(seq)
 
