@@ -27,14 +27,13 @@ gives back what the plan then drops (BlockManager.truncate)."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
-from llamajet.engine.block_manager import kv_slot
-from llamajet.engine.runner import ModelRunner, StepBatch
-from llamajet.engine.speculative import SpecState
+from llamajet.engine.runner import ModelRunner
+from llamajet.engine.scheduler import ScheduledSeq
+from llamajet.engine.speculative import Proposer
 from llamajet.errors import RequestError
 from llamajet.loaders.base import LoadedModel
 
@@ -47,7 +46,7 @@ def first_layers(model: LoadedModel, n: int) -> LoadedModel:
         raise RequestError(f"speculative=layers:{n}: the draft takes 1..{total - 1} of the model's {total} layers")
     keep = {k: v for k, v in model.weights.items()
             if not (k.startswith("blk.") and int(k.split(".")[1]) >= n)}
-    return dataclasses.replace(model, config=replace(model.config, num_layers=n), weights=keep,
+    return dataclasses.replace(model, config=dataclasses.replace(model.config, num_layers=n), weights=keep,
                                gguf_reader=None, keepalive=[model])
 
 
@@ -65,12 +64,24 @@ def draft_model(spec: str, target: LoadedModel) -> LoadedModel:
     return m
 
 
-class DraftProposer:
+class _Proposed:
+    """A sequence as a draft step sees it: its tokens with the proposals so
+    far appended (the fields ModelRunner.prepare reads)."""
+
+    __slots__ = ("token_ids", "block_table")
+
+    def __init__(self, seq, proposed: list[int]) -> None:
+        self.token_ids = seq.token_ids + proposed
+        self.block_table = seq.block_table
+
+
+class DraftProposer(Proposer):
     def __init__(self, k: int, spec: str, runner: ModelRunner, blocks) -> None:
-        self.k, self.blocks = k, blocks
+        super().__init__(k)
+        self.blocks = blocks
         model = draft_model(spec, runner.model)
-        rt = replace(runner.runtime, speculative=None, kv_cache_memory=None,
-                     kv_cache_tokens=runner.num_blocks * runner.block_size)
+        rt = dataclasses.replace(runner.runtime, speculative=None, kv_cache_memory=None,
+                                 kv_cache_tokens=runner.num_blocks * runner.block_size)
         self.runner = ModelRunner(model, rt)
         assert self.runner.num_blocks == runner.num_blocks and self.runner.block_size == runner.block_size
         self.version = np.zeros(runner.num_blocks, np.int64)  # draft steps that wrote each block
@@ -80,15 +91,6 @@ class DraftProposer:
 
     def propose(self, seq) -> list[int]:
         return self.propose_many([(seq, self.runner.max_model_len - seq.num_tokens)])[0]
-
-    def state(self, seq) -> SpecState:
-        if seq.spec is None:
-            seq.spec = SpecState(self.k)
-        return seq.spec
-
-    def length(self, seq, room: int) -> int:
-        """How many tokens seq would propose now: its adaptive length, within max_tokens and the context."""
-        return max(0, min(self.state(seq).k, seq.params.max_tokens - seq.num_output - 1, room))
 
     def _valid(self, seq, st) -> int:
         """Positions [0, L) whose draft K/V is valid (see the module docstring), L <= num_tokens - 1."""
@@ -128,49 +130,31 @@ class DraftProposer:
         written: set[int] = set()
         active = work
         while active:
-            tokens, positions, slots, seq_of, out_rows = [], [], [], [], []
             budget, rows = self.runner.max_tokens, self.runner.max_out
-            step = []  # (work item, tokens computed for it, whether it gets a logits row)
+            step = []  # (work item, what the step computes for it)
             for w in active:
                 i, seq, pos, k = w
-                n = seq.num_tokens
                 if budget <= 0 or rows <= 0 or len(step) >= self.runner.max_seqs:
                     break
+                n = seq.num_tokens
                 if pos < n:  # catch-up: the known tokens the draft has not computed
-                    c = min(n - pos, budget)
-                    toks = seq.token_ids[pos : pos + c]
+                    c, view = min(n - pos, budget), seq
                 else:  # the last proposal, at its position
-                    c, toks = 1, out[i][-1:]
-                j = len(step)
+                    c, view = 1, _Proposed(seq, out[i])
                 row = pos + c >= n  # reaches the last known token (or is a proposal): a logits row
-                if row and rows <= 0:
-                    break
+                step.append((w, ScheduledSeq(view, pos, c, logits=row)))
                 table = seq.block_table
-                tokens.extend(toks)
-                p = np.arange(pos, pos + c)
-                positions.extend(p.tolist())
-                slots.extend(kv_slot(table, p, bs).tolist())
-                seq_of.extend([j] * c)
                 written.update(table[q] for q in range(pos // bs, (pos + c - 1) // bs + 1))
                 budget -= c
-                if row:
-                    out_rows.append(len(tokens) - 1)
-                    rows -= 1
-                step.append((w, c, row))
-            width = max(len(w[1].block_table) for w, _, _ in step)
-            tables = np.zeros((len(step), width), dtype=np.int32)
-            for j, (w, _, _) in enumerate(step):
-                tables[j, : len(w[1].block_table)] = w[1].block_table
-            i32 = lambda a: np.asarray(a, dtype=np.int32)  # noqa: E731
-            self.runner.execute(StepBatch(i32(tokens), i32(positions), i32(slots), i32(seq_of), tables,
-                                          i32(out_rows)))
-            greedy = self.runner.greedy_ids(len(out_rows))
+                rows -= row
+            self.runner.execute(self.runner.prepare([s for _, s in step]))
+            greedy = self.runner.greedy_ids(sum(s.logits for _, s in step))
             self.steps += 1
-            self.tokens += len(tokens)
             r = 0
-            for w, c, row in step:
-                w[2] += c
-                if row:
+            for w, s in step:
+                w[2] += s.num_tokens
+                self.tokens += s.num_tokens
+                if s.logits:
                     out[w[0]].append(int(greedy[r]))
                     r += 1
             active = [w for w in active if len(out[w[0]]) < w[3]]

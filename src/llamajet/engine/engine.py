@@ -284,8 +284,6 @@ class Engine:
         if self.step_cost is not None:
             seqs = []
             for seq, room in eligible:
-                if seq.spec is None:
-                    p.state(seq)
                 seq.draft = [0] * p.length(seq, room)  # placeholders: only their count is planned
                 seqs.append(seq)
             self._plan_drafts(base, seqs, batch, per_token=self.draft_cost)

@@ -59,14 +59,38 @@ import time
 from collections import deque
 
 
-class NgramProposer:
+class Proposer:
+    """What every proposer shares (the small interface the engine calls):
+    propose(seq) -> the tokens it proposes after seq's last token, its
+    per-sequence SpecState made at its first proposal, and the proposal
+    length rule."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def new_state(self) -> SpecState:
+        return SpecState(self.k)
+
+    def state(self, seq) -> SpecState:
+        if seq.spec is None:
+            seq.spec = self.new_state()
+        return seq.spec
+
+    def length(self, seq, room: int | None = None) -> int:
+        """How many tokens seq would propose now: its adaptive length
+        (SpecState.update), within max_tokens (the token the verification
+        adds counts) and within `room` positions left in the context."""
+        k = min(self.state(seq).k, seq.params.max_tokens - seq.num_output - 1)
+        return max(0, k if room is None else min(k, room))
+
+
+class NgramProposer(Proposer):
     def __init__(self, k: int, max_n: int = 4, min_n: int = 2) -> None:
-        self.k, self.max_n, self.min_n = k, max_n, min_n
+        super().__init__(k)
+        self.max_n, self.min_n = max_n, min_n
 
     def propose(self, seq) -> list[int]:
-        st = seq.spec
-        if st is None:
-            st = seq.spec = SpecState(self.k)
+        st = self.state(seq)
         ids = seq.token_ids
         n_ids = len(ids)
         index, upto = st.index, st.upto
@@ -77,7 +101,7 @@ class NgramProposer:
                     break
                 index[tuple(ids[p - n + 1 : p + 1])] = p
         st.upto = max(upto, n_ids - 1)
-        k = min(st.k, seq.params.max_tokens - seq.num_output - 1)
+        k = self.length(seq)
         if k <= 0:
             return []
         for n in range(min(self.max_n, n_ids), self.min_n - 1, -1):
@@ -260,7 +284,7 @@ class SuffixIndex:
         return 0, None
 
 
-class SuffixProposer:
+class SuffixProposer(Proposer):
     """Suffix decoding (as vLLM's, after Arctic Inference's): the sequence's
     own tokens (prompt and output) and the outputs of recent requests (agent
     loops and repeated tasks write the same things again) are indexed by
@@ -276,21 +300,24 @@ class SuffixProposer:
 
     # depth 8: indexing costs `depth` dict updates per token in Python (a 2000-token prompt: ~20 ms)
     def __init__(self, k: int, depth: int = 8, min_prob: float = 0.1, max_cached_tokens: int = 1 << 16) -> None:
-        self.k, self.depth, self.min_prob = k, depth, min_prob
+        super().__init__(k)
+        self.depth, self.min_prob = depth, min_prob
         self.max_cached_tokens = max_cached_tokens
         self.recent = SuffixIndex(depth)
         self._cached: deque[tuple[list[int], int]] = deque()  # (tokens, first output position)
         self._cached_tokens = 0
 
+    def new_state(self) -> SpecState:
+        st = SpecState(self.k)
+        st.index = SuffixIndex(self.depth)
+        return st
+
     def propose(self, seq) -> list[int]:
-        st = seq.spec
-        if st is None:
-            st = seq.spec = SpecState(self.k)
-            st.index = SuffixIndex(self.depth)
+        st = self.state(seq)
         ids = seq.token_ids
         st.index.add(ids, st.upto, len(ids))
         st.upto = len(ids)
-        k = min(st.k, seq.params.max_tokens - seq.num_output - 1)
+        k = self.length(seq)
         out: list[int] = []
         conf = 1.0
         ctx = ids[-self.depth:]
