@@ -26,14 +26,17 @@ Each (engine, category, streams) is a fresh process (`--worker`), which loads
 the model, warms up on a prompt of neither category, then generates every
 prompt of the category (greedy, --max-tokens, the prefix cache off so no
 prompt is served from an earlier one): one at a time (streams 1) or all at
-once in groups of `streams` (llamajet only). Its figure is total generated
+once in groups of `streams` (llamajet only; a category with fewer prompts
+than streams is cycled up to that many requests). Its figure is total generated
 tokens over total time, prompt processing included (the user's wait). Rounds
 alternate the engines' order; the table gives medians over rounds and each
 speedup as the ratio of medians within one engine. Acceptance (accepted /
 proposed) and mean tokens per verifying step are llamajet's counters.
 
-The machine's load average is printed at start and end: on a busy machine
-the ratios hold better than the absolute speeds.
+Whether the machine was busy: the CPU time other processes used while the
+workers ran (the machine's busy time less the workers' own), printed as a
+share of the machine; past 5% it says "busy machine". On a busy machine the
+ratios hold better than the absolute speeds.
 """
 
 from __future__ import annotations
@@ -66,9 +69,26 @@ def _llamajet(engine: str = "llamajet"):
     return LLM(default_model_path(), max_model_len=2048, enable_prefix_caching=False, **opts)
 
 
+def requests(items: list, streams: int) -> list:
+    """A category's prompts, cycled up to `streams` requests when it has
+    fewer (5 free-form prompts fill 16 streams as 16 requests); each copy is
+    its own request (the prefix cache is off, and a sequence's n-gram index
+    holds only its own tokens)."""
+    return [items[i % len(items)] for i in range(max(len(items), streams))]
+
+
+def busy_cpus() -> float:
+    """CPU seconds the whole machine has spent busy since boot (/proc/stat:
+    user, nice, system, irq, softirq and steal, a hypervisor's other guests
+    being a busy machine too; guest time is inside user already)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / os.sysconf("SC_CLK_TCK")
+
+
 def worker(engine: str, category: str, max_tokens: int, streams: int) -> dict:
     data = json.loads(PROMPTS.read_text())
-    items = data[category]
+    items = requests(data[category], streams)
     if engine.startswith("llamajet"):
         from llamajet import SamplingParams
 
@@ -109,10 +129,22 @@ def worker(engine: str, category: str, max_tokens: int, streams: int) -> dict:
     return {"tokens": n, "seconds": time.perf_counter() - t0, "texts": toks}
 
 
+OTHERS = [0.0, 0.0]  # CPU seconds other processes used while workers ran, and the workers' wall seconds x cores
+
+
 def _spawn(engine, category, a, python, env):
+    """Runs one worker; also counts what the rest of the machine used
+    meanwhile (busy CPU time less the worker's own), the measure of a busy
+    machine that the worker's own threads do not inflate (a load average does)."""
     cmd = [python, str(Path(__file__)), "--worker", engine, "--category", category,
            "--max-tokens", str(a.max_tokens), "--streams", str(a._streams)]
+    ru0, b0, t0 = os.times(), busy_cpus(), time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    ru1, b1, t1 = os.times(), busy_cpus(), time.perf_counter()
+    own = (ru1.children_user + ru1.children_system + ru1.user + ru1.system
+           - ru0.children_user - ru0.children_system - ru0.user - ru0.system)
+    OTHERS[0] += max(0.0, (b1 - b0) - own)
+    OTHERS[1] += (t1 - t0) * (os.cpu_count() or 1)
     if r.returncode != 0:
         raise SystemExit(f"{engine} {category}: failed\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -172,7 +204,7 @@ def main(argv=None) -> int:
                     res = _spawn(eng, cat, a, py, env)
                     runs.setdefault((eng, cat, s), []).append(res)
                     if "ids" in res:
-                        want = [it["greedy_ids"][: a.max_tokens] for it in data[cat]]
+                        want = [it["greedy_ids"][: a.max_tokens] for it in requests(data[cat], s)]
                         if res["ids"] != want:
                             bad.append((eng, cat, s))
                     print(f"round {r + 1} {eng:16s} {cat:15s} streams {s}: "
@@ -192,8 +224,10 @@ def main(argv=None) -> int:
                if drafts else "—")
         per = f"{1 + sum(x['accepted'] for x in v) / drafts:.2f}" if drafts else "—"
         print(f"| {eng} | {cat} | {s} | {med[(eng, cat, s)]:.1f} | {sp} | {acc} | {per} |")
-    print(f"\nload average (1 min) at start {load0[0]:.2f}, at end {load1[0]:.2f}"
-          f"{' (busy machine)' if max(load0[0], load1[0]) > 0.75 * (os.cpu_count() or 1) else ''}")
+    others = OTHERS[0] / max(OTHERS[1], 1e-9)
+    print(f"\nload average (1 min) at start {load0[0]:.2f}, at end {load1[0]:.2f} (the end's includes the "
+          f"workers' own threads); other processes used {others:.1%} of the machine while workers ran"
+          f"{' (busy machine)' if others > 0.05 else ' (quiet)'}")
     if bad:
         print(f"OUTPUT DIFFERS from the recorded greedy ids: {bad}")
         return 1
