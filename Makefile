@@ -85,8 +85,14 @@ serve: setup
 # (tools/fuzz.py): clang's, coverage-guided into the C++, when clang++ is
 # there or can be installed, else gcc's (unguided).
 FUZZ_RUNS ?= 2000
+# One pytest-xdist worker per usable CPU (nproc: the affinity mask), each pinned to
+# its own core by tests/conftest.py, so its engines run one thread and the workers
+# never oversubscribe; --dist loadfile keeps a file's module fixtures (a loaded
+# model, a server) in one worker. TEST_WORKERS=0 runs the suite in this process.
+# make sanitize keeps one process, whose engines run a thread per core.
+TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 1)
 test: setup setup-test chromium $(CONVERTER)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # Debian's chromium for the chat page's browser tests (tests/test_chat_page.py,
 # driven by Playwright through executable_path: Playwright's own browser

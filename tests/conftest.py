@@ -17,6 +17,26 @@ SANITIZED = use_core_from_env() is not None
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "rss: asserts a process's resident memory (not meaningful under ASan)")
+    _pin_xdist_worker()
+
+
+def _pin_xdist_worker() -> None:
+    """Under pytest-xdist (make test runs one worker per core), worker i runs
+    on core i alone: its engines then see one usable core and run one thread
+    (ops.default_threads reads the affinity mask), so the workers never
+    oversubscribe the machine, and the subprocesses a test starts inherit
+    the same core. Tests that want more threads ask for them (with
+    oversubscribe where they must)."""
+    wid = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not wid.startswith("gw") or not hasattr(os, "sched_setaffinity"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    n = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if len(cpus) < n:
+        return
+    i = int(wid[2:])
+    share = len(cpus) // n
+    os.sched_setaffinity(0, cpus[i * share : (i + 1) * share])
 
 
 def pytest_collection_modifyitems(config, items):

@@ -160,13 +160,17 @@ def fake_cgroup(tmp_path, quota_us: int | None):
     return {"root": str(tmp_path), "proc_cgroup": str(tmp_path / "self")}
 
 
-def test_usable_cores_come_from_the_child_cgroup_quota(tmp_path):
-    from llamajet.ops.dispatch import physical_cores
+def test_usable_cores_come_from_the_child_cgroup_quota(tmp_path, monkeypatch):
+    from llamajet.ops import dispatch
 
+    # 4 cores in the mask whatever this machine has (make test runs each worker on one core)
+    monkeypatch.setattr(dispatch, "physical_cores", lambda: 4)
     n, why = usable_cores(**fake_cgroup(tmp_path, 50000))
     assert n == 1 and "0.5 CPUs caps it at 1" in why and "affinity mask" in why
+    n, why = usable_cores(**fake_cgroup(tmp_path, 250000))
+    assert n == 3 and "2.5 CPUs caps it at 3" in why
     n, why = usable_cores(**fake_cgroup(tmp_path, None))
-    assert n == physical_cores() and "no cgroup CPU quota" in why
+    assert n == 4 and "no cgroup CPU quota" in why
 
 
 def test_threads_above_the_usable_cores_are_lowered_with_one_warning(tmp_path):
