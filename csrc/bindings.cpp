@@ -18,8 +18,10 @@
 
 #include "kernels/packed_scalar.h"
 #include "runtime/cpu_features.h"
+#include "runtime/digest.h"
 #include "runtime/executor.h"
 #include "runtime/membench.h"
+#include "runtime/pages.h"
 #include "runtime/repack.h"
 
 namespace nb = nanobind;
@@ -175,6 +177,48 @@ NB_MODULE(_core, m) {
         return nb::make_tuple(out, o);
       },
       "buf"_a, "offset"_a, "count"_a, "max_len"_a);
+  // A 128-bit digest of an array's bytes (runtime/digest.h: chunked, threaded,
+  // independent of the thread count), 16 bytes. engine/outliers.py keys its
+  // in-process probe memo by it: SHA-1 of a 1B model's weights took ~0.6 s of
+  // each load, this takes about a memory read of them.
+  m.def("content_digest",
+        [](AnyArr a, int n_threads) {
+          uint64_t d[2];
+          const uint8_t* p = (const uint8_t*)a.data();
+          const int64_t n = (int64_t)a.nbytes();
+          {
+            nb::gil_scoped_release unlocked;
+            lj::digest128(p, n, n_threads < 1 ? 1 : n_threads, d);
+          }
+          return nb::bytes((const char*)d, sizeof d);
+        },
+        "a"_a, "n_threads"_a = 1);
+  // Weight storage (formats/pages.py): uint8 [nbytes] in a mapping of its own
+  // (runtime/pages.h: 2 MiB-aligned, huge pages asked for, committed on first
+  // write), unmapped when the array dies. Heap memory below kPageMapMin.
+  m.def("page_buffer",
+        [](int64_t nbytes) {
+          if (nbytes < 0) throw std::invalid_argument("page_buffer: negative size");
+          size_t map_len = 0;
+          uint8_t* p = nbytes >= lj::kPageMapMin ? lj::map_pages(nbytes, &map_len, true) : nullptr;
+          nb::capsule owner;
+          if (p) {
+            // the length rides in a heap cell beside the pointer (a capsule holds one pointer)
+            struct Map { uint8_t* p; size_t len; };
+            Map* m = new Map{p, map_len};
+            owner = nb::capsule(m, [](void* v) noexcept {
+              Map* m = (Map*)v;
+              lj::unmap_pages(m->p, m->len);
+              delete m;
+            });
+          } else {
+            p = new uint8_t[nbytes > 0 ? nbytes : 1];
+            owner = nb::capsule(p, [](void* v) noexcept { delete[] (uint8_t*)v; });
+          }
+          size_t shape[1] = {(size_t)nbytes};
+          return nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(p, 1, shape, owner);
+        },
+        "nbytes"_a);
   m.def("step_allocations", &lj::step_allocations,
         "Heap allocations (operator new) made by this module's code inside steps, since import.");
 
@@ -319,6 +363,13 @@ NB_MODULE(_core, m) {
       .def_prop_ro("allocations", &lj::Executor::allocations)
       .def_prop_ro("num_ops", &lj::Executor::num_ops)
       .def("alloc_buffer", &lj::Executor::alloc_buffer, "nbytes"_a)
+      .def(
+          "prefault_buffer",
+          [](lj::Executor& e, int id) {
+            nb::gil_scoped_release unlocked;
+            e.prefault_buffer(id);
+          },
+          "id"_a, "Commits the buffer's memory now, zero-filled (its contents are lost).")
       .def("set_profiling", &lj::Executor::set_profiling, "on"_a,
            "Start (and reset) or stop per-op timing by thread 0.")
       .def("thread_stats",

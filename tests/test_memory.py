@@ -19,6 +19,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from llamajet.engine.sampling import SamplingParams
@@ -172,3 +173,71 @@ def test_rss_after_load_near_the_file_size(probe):
     loaded = probe["loaded"]["VmRSS"] - probe["imports"]["VmRSS"] - probe["kv_pool_bytes"]
     assert loaded <= 1.6 * probe["file_bytes"] + 40 * MiB, (
         f"RSS after load {loaded / MiB:.0f} MiB above imports, file {probe['file_bytes'] / MiB:.0f} MiB")
+
+
+# -- (c) the load's own buffers: mappings of their own, and the probe memo's digest
+
+
+def test_weight_storage_is_a_mapping_of_its_own_from_2_mib():
+    """formats/pages.empty (repacked and stacked weights): from 2 MiB a 2 MiB-aligned mapping
+    (huge pages for its whole spans), below it the heap; writable, sized as asked, and freed with
+    the array (a thousand 8 MiB buffers made and dropped would be 8 GiB if none were unmapped)."""
+    from llamajet.formats import pages
+
+    big = pages.empty((3 * MiB + 100,))
+    assert big.shape == (3 * MiB + 100,) and big.dtype == np.uint8
+    assert big.ctypes.data % (2 * MiB) == 0
+    big[:] = 7
+    assert int(big[-1]) == 7 and int(big.sum(dtype=np.int64)) == 7 * big.size
+    small = pages.empty((5, 1000))
+    small[:] = 1
+    assert small.shape == (5, 1000) and int(small.sum()) == 5000
+    assert pages.empty((0,)).size == 0
+    before = _vm_size()
+    for _ in range(1000):
+        b = pages.empty((8 * MiB,))
+        b[::4096] = 1
+        del b
+    assert _vm_size() - before < 64 * MiB
+
+
+def _vm_size() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+
+
+def test_prefault_commits_a_buffer_as_zeros():
+    """Executor.prefault_buffer (the KV pool at start): the buffer reads zeros after it, a
+    mapped (>= 2 MiB) buffer and a heap one alike, whatever was written before."""
+    from llamajet import ops
+
+    ex = ops.Executor(isa="ref", n_threads=2, max_tokens=1, max_out=1, max_seqs=1, max_blocks=1,
+                      kv_slots=16, block_size=16, max_pos=1, scratch_floats=0)
+    for nbytes in (70 * MiB + 12, 4000):
+        b = ex.alloc_buffer(nbytes)
+        view = ex.buffer(b)
+        view[::4096] = 9
+        ex.prefault_buffer(b)
+        assert view.size >= nbytes and not view[:nbytes].any()
+
+
+def test_content_digest_depends_on_the_bytes_only():
+    """_core.content_digest, the outlier probe memo's key for weights: the same for any thread
+    count (fixed 1 MiB chunks), different for a flipped bit in any chunk, a byte more or less,
+    and the same bytes moved."""
+    from llamajet import _core
+
+    a = np.random.default_rng(0).integers(0, 256, 5 * MiB + 77, dtype=np.uint8)
+    d = _core.content_digest(a, 1)
+    assert len(d) == 16
+    assert all(_core.content_digest(a, n) == d for n in (2, 3, 7))
+    seen = {d}
+    for i in (0, MiB - 1, MiB, 3 * MiB + 5, a.size - 1):
+        b = a.copy()
+        b[i] ^= 1
+        seen.add(_core.content_digest(b, 2))
+    seen.add(_core.content_digest(a[:-1], 2))
+    seen.add(_core.content_digest(np.concatenate([a, a[:1]]), 2))
+    seen.add(_core.content_digest(np.roll(a, 1), 2))
+    assert len(seen) == 9
+    assert _core.content_digest(np.zeros(0, np.uint8)) != _core.content_digest(np.zeros(1, np.uint8))

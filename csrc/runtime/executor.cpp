@@ -10,6 +10,7 @@
 
 #include "alloc_count.h"
 #include "cpu_features.h"
+#include "pages.h"
 
 namespace lj {
 
@@ -166,16 +167,35 @@ void Executor::size_claims() {
 int Executor::alloc_buffer(int64_t nbytes) {
   if (nbytes < 0) throw std::invalid_argument("alloc_buffer: negative size");
   const int64_t rounded = ((nbytes + 63) / 64) * 64 + 64;
-  void* p = std::aligned_alloc(64, (size_t)rounded);
+  // Not zeroed: large blocks are mappings of their own (zero pages committed
+  // lazily, so an unused KV pool costs no RSS) and no kernel reads what it
+  // did not write.
+  size_t map_len = 0;
+  uint8_t* p = rounded >= kPageMapMin ? map_pages(rounded, &map_len, false) : nullptr;
+  if (!p) p = (uint8_t*)std::aligned_alloc(64, (size_t)rounded);
   if (!p) throw std::bad_alloc();
-  // Not zeroed: large blocks come from mmap (zero pages committed lazily, so
-  // an unused KV pool costs no RSS) and no kernel reads what it did not write.
   ++allocations_;
   Buffer b;
-  b.data = std::unique_ptr<uint8_t, void (*)(void*)>((uint8_t*)p, std::free);
+  b.data = std::unique_ptr<uint8_t, BufferFree>(p, BufferFree{map_len});
   b.size = nbytes;
   buffers_.push_back(std::move(b));
   return (int)buffers_.size() - 1;
+}
+
+void Executor::BufferFree::operator()(uint8_t* p) const {
+  if (map_len) unmap_pages(p, map_len);
+  else std::free(p);
+}
+
+void Executor::prefault_buffer(int id) {
+  if (id < 0 || id >= (int)buffers_.size()) throw std::out_of_range("no such buffer");
+  Buffer& b = buffers_[id];
+  if (b.data.get_deleter().map_len) {
+    ask_huge_pages(b.data.get(), b.size);  // committed whole now: huge pages cost no RSS here
+    populate_pages(b.data.get(), b.size, cfg_.n_threads);
+  } else {
+    std::memset(b.data.get(), 0, (size_t)b.size);
+  }
 }
 
 uint8_t* Executor::buffer_data(int id) const {

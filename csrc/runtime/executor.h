@@ -34,7 +34,12 @@ class Executor {
   const char* isa() const { return table_->isa; }
 
   // 64-byte aligned buffer owned by the executor (contents undefined); its id.
+  // From kPageMapMin (runtime/pages.h) a mapping of its own, 2 MiB-aligned,
+  // committed on first touch (or whole, in huge pages, by prefault_buffer).
   int alloc_buffer(int64_t nbytes);
+  // Commits buffer `id`'s memory now, zero-filled (its contents are lost), on
+  // the executor's threads: the KV pool, so that no step takes its page faults.
+  void prefault_buffer(int id);
   uint8_t* buffer_data(int id) const;
   int64_t buffer_size(int id) const;
   int64_t allocations() const { return allocations_; }
@@ -114,8 +119,12 @@ class Executor {
   ExecConfig cfg_;
   const KernelTable* table_;
   std::unique_ptr<ThreadPool> pool_;
+  struct BufferFree {
+    size_t map_len;  // a map_pages mapping's length, 0 for the heap (value-initialized)
+    void operator()(uint8_t* p) const;
+  };
   struct Buffer {
-    std::unique_ptr<uint8_t, void (*)(void*)> data{nullptr, nullptr};
+    std::unique_ptr<uint8_t, BufferFree> data;
     int64_t size = 0;
   };
   std::vector<Buffer> buffers_;

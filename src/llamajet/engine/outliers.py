@@ -143,8 +143,10 @@ def input_absmax(graph: Graph, ids: list[int], *, isa: str, n_threads: int, max_
 # the executor's settings (ISA, threads, block size; max_pos: see POSITION_FIELDS): a process that
 # loads one model again (a test session loads the default model dozens of times; a server
 # restarting a model) gets the maxima of the last identical probe instead of running it again (~1 s
-# of SmolLM2-135M's load on a busy 2-core machine; the key's hash ~0.1 s). The key is a SHA-1 of all
-# of that, weights included byte for byte, so a changed weight misses.
+# of SmolLM2-135M's load on a busy 2-core machine). The key digests all of that, weights included byte
+# for byte, so a changed weight misses: the graph's description by SHA-1, the bytes of its arrays by
+# _core.content_digest (128 bits, threaded, about a read of the weights: SHA-1 of a 1B model's ~1 GB
+# was 0.6 s of every load, memo hit or not, ~0.05 s this way).
 MEMO_ENTRIES = 8  # a few small dicts: one [width] float32 array per rewritable input
 _MEMO: OrderedDict[bytes, dict[str, np.ndarray]] = OrderedDict()
 _MEMO_LOCK = threading.Lock()
@@ -161,6 +163,10 @@ POSITION_FIELDS = {"cos", "sin"}
 def _probe_key(probe: Graph, ids, isa: str, n_threads: int, block_size: int) -> bytes:
     T = len(ids)
     h = hashlib.sha1(usedforsecurity=False)
+
+    def data(a: np.ndarray) -> None:
+        h.update(_core.content_digest(np.ascontiguousarray(a).reshape(-1).view(np.uint8), n_threads))
+
     h.update(repr((list(map(int, ids)), isa, n_threads, block_size, probe.outputs)).encode())
     fields: dict[str, set[str]] = {}  # weight -> the operand fields it is read under
     for n in probe.nodes:
@@ -168,7 +174,7 @@ def _probe_key(probe: Graph, ids, isa: str, n_threads: int, block_size: int) -> 
         for a, v in sorted(n.attrs.items()):  # scalars and enums; an array by its bytes (repr elides)
             h.update(repr((a, v.dtype.str, v.shape) if isinstance(v, np.ndarray) else (a, v)).encode())
             if isinstance(v, np.ndarray):
-                h.update(memoryview(np.ascontiguousarray(v)).cast("B"))
+                data(v)
         for f, t in n.inputs.items():
             if t in probe.weights:
                 fields.setdefault(t, set()).add(f)
@@ -178,13 +184,13 @@ def _probe_key(probe: Graph, ids, isa: str, n_threads: int, block_size: int) -> 
             h.update(repr(probe.tensors[t]).encode())
     for name in sorted(fields):
         w = probe.weights[name]
-        data = w.data
+        arr = w.data
         if fields[name] <= POSITION_FIELDS:  # a RoPE table: the rows of positions 0..T-1
-            data = data[:T]
-            h.update(repr((name, w.dtype, w.shape[1:], w.kind, data.dtype.str, data.shape)).encode())
+            arr = arr[:T]
+            h.update(repr((name, w.dtype, w.shape[1:], w.kind, arr.dtype.str, arr.shape)).encode())
         else:
-            h.update(repr((name, w.dtype, w.shape, w.kind, data.dtype.str, data.shape)).encode())
-        h.update(memoryview(np.ascontiguousarray(data)).cast("B"))
+            h.update(repr((name, w.dtype, w.shape, w.kind, arr.dtype.str, arr.shape)).encode())
+        data(arr)
     return h.digest()
 
 

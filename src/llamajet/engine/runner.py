@@ -140,7 +140,7 @@ class ModelRunner:
         kv_buf = self.exe.alloc_buffer(KVLayout.nbytes(mc.num_layers, num_slots, mc.num_kv_heads, mc.head_dim,
                                                        self.kv_dtype))
         if cfg.kv_prefault:
-            self.exe.buffer(kv_buf)[:] = 0
+            self.exe.prefault_buffer(kv_buf)
         self.kv = KVLayout(kv_buf, num_slots, mc.num_kv_heads, mc.head_dim, self.block_size, self.kv_dtype)
         # packed matmuls run with float activations (W*A16) unless kernels="fast"
         lower(self.graph, self.plan, self.exe, self.arena, self.kv, defaults={"matmul": {"float_act": not cfg.act_int8}})

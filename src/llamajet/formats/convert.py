@@ -27,6 +27,7 @@ import numpy as np
 
 from llamajet import ops
 from llamajet.errors import LlamajetError
+from llamajet.formats import pages
 from llamajet.formats.gguf_blocks import LOSSLESS
 from llamajet.formats.pending import deferred_twin
 from llamajet.formats.schemes import QuantScheme, get_scheme, rtn_scheme
@@ -126,7 +127,7 @@ def _rtn(sch, w: Weight, isa, n_threads, release=None):
         if release is not None:
             release(w)  # its file pages
         return data
-    out = np.empty(sch.storage_shape((n, k)), np.uint8)
+    out = pages.empty(sch.storage_shape((n, k)))
     for r0 in range(0, n, _SLAB):
         src = w.data[r0 : r0 + _SLAB]
         part = ops.quantize_packed(sch.code, g, w.format.to_f32(src, (len(src), k)), isa, n_threads)

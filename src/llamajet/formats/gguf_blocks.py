@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from llamajet import ops
+from llamajet.formats import pages
 from llamajet.formats.packed import _pad, pack_parts
 from llamajet.formats.schemes import get_scheme
 from llamajet.formats.weight import Weight
@@ -124,7 +125,7 @@ def repack_gguf(w: Weight, n_threads: int | None = None, out: np.ndarray | None 
     byte offset + t * tile_stride instead (a stacked or interleaved matrix:
     formats/stack.py) and None is returned."""
     sch = twin_scheme(w)
-    dst = out if out is not None else np.empty(sch.storage_shape(w.shape), np.uint8)
+    dst = out if out is not None else pages.empty(sch.storage_shape(w.shape))
     ops.repack_gguf(w.dtype, w.data, w.shape, dst, offset, tile_stride, n_threads)
     if out is not None:
         return None

@@ -19,6 +19,7 @@ from typing import Callable
 
 import numpy as np
 
+from llamajet.formats import pages
 from llamajet.formats.weight import Weight
 
 
@@ -48,7 +49,7 @@ def deferred_twin(w: Weight) -> Weight:
     from llamajet.formats.gguf_blocks import twin_scheme
 
     sch = twin_scheme(w)
-    data = np.empty(sch.storage_shape(w.shape), np.uint8)
+    data = pages.empty(sch.storage_shape(w.shape))  # address space only, until written
     return Weight(w.name, w.kind, sch, w.shape, data, w.rope_interleaved,
                   pending=Pending((Fill(w, data, 0, data[0].nbytes),)))
 

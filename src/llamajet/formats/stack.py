@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from llamajet import ops
+from llamajet.formats import pages
 from llamajet.formats.packed import pack_parts, unpack_parts
 from llamajet.formats.pending import restack, written
 from llamajet.formats.weight import Weight
@@ -54,7 +55,7 @@ def stack_rows(name: str, ws, rope_interleaved: bool = True) -> Weight:
         return Weight(name, ws[0].kind, ws[0].format, (n, ws[0].shape[1]), whole, rope_interleaved)
     if ws[0].packed:
         shape = (sum(w.data.shape[0] for w in ws), *ws[0].data.shape[1:])
-        out = np.empty(shape, np.uint8)
+        out = pages.empty(shape)
         starts = np.cumsum([0] + [w.data.shape[0] for w in ws[:-1]]) * out[0].nbytes
         pending = restack(ws, out, starts.tolist(), 1)  # deferred parts: their fills go to out, nothing moves
         if pending is None:
@@ -70,7 +71,7 @@ def interleave_tiles(name: str, g: Weight, u: Weight) -> Weight:
     if whole is not None:  # saved interleaved: the file's bytes as they are
         return Weight(name, g.kind, g.format, (n, g.shape[1]), whole, False)
     if g.packed:
-        out = np.empty((2 * g.data.shape[0], *g.data.shape[1:]), np.uint8)
+        out = pages.empty((2 * g.data.shape[0], *g.data.shape[1:]))
         pending = restack([g, u], out, [0, out[0].nbytes], 2)
         if pending is None:
             out = np.stack([written(g).data, written(u).data], axis=1).reshape(-1, *g.data.shape[1:])
