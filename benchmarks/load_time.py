@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from busy import Others  # noqa: E402
 
 # argv: model, ctx, prefill tokens, threads
 LLAMAJET = """
@@ -58,26 +59,13 @@ print(json.dumps([t1 - t, t2 - t1]))
 """
 
 
-def busy_cpus() -> float:
-    """CPU seconds the machine has spent busy since boot (/proc/stat)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:9]]
-    return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / os.sysconf("SC_CLK_TCK")
-
-
-OTHERS = [0.0, 0.0]  # other processes' CPU seconds while workers ran; the workers' wall seconds x cores
+OTHERS = Others()
 
 
 def _run(python: str, code: str, model: str, ctx: int, prefill: int, threads: int) -> tuple[float, float]:
-    ru0, b0, t0 = os.times(), busy_cpus(), time.perf_counter()
-    out = subprocess.run([python, "-c", code, model, str(ctx), str(prefill), str(threads)], capture_output=True,
-                         text=True)
-    ru1, b1, t1 = os.times(), busy_cpus(), time.perf_counter()
+    out = OTHERS.run([python, "-c", code, model, str(ctx), str(prefill), str(threads)])
     if out.returncode != 0:
         raise SystemExit(f"{python}: failed\n{out.stderr[-3000:]}")
-    own = sum(getattr(ru1, f) - getattr(ru0, f) for f in ("user", "system", "children_user", "children_system"))
-    OTHERS[0] += max(0.0, (b1 - b0) - own)
-    OTHERS[1] += (t1 - t0) * (os.cpu_count() or 1)
     load, pre = json.loads(out.stdout.strip().splitlines()[-1])
     return load, pre
 
@@ -116,9 +104,7 @@ def main(argv=None) -> int:
         lj, lc = stat["llamajet"][k], stat["llama.cpp"][k]
         print(f"{k:>12}: median llamajet {lj[0]:.2f} s, llama.cpp {lc[0]:.2f} s ({lj[0] / lc[0]:.2f}x); "
               f"min {lj[1]:.2f} / {lc[1]:.2f} s ({lj[1] / lc[1]:.2f}x)")
-    busy = OTHERS[0] / OTHERS[1] if OTHERS[1] else 0.0
-    print(f"machine: other processes used {100 * busy:.0f}% of the CPUs while the loads ran "
-          f"({'busy' if busy > 0.1 else 'quiet'})")
+    print(f"machine: {OTHERS.line()}")
     return 0
 
 

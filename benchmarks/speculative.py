@@ -45,12 +45,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from busy import Others  # noqa: E402
+
 PROMPTS = HERE / "data" / "speculative_prompts.json"
 WARMUP = [{"role": "user", "content": "Say hello."}]
 
@@ -75,15 +77,6 @@ def requests(items: list, streams: int) -> list:
     its own request (the prefix cache is off, and a sequence's n-gram index
     holds only its own tokens)."""
     return [items[i % len(items)] for i in range(max(len(items), streams))]
-
-
-def busy_cpus() -> float:
-    """CPU seconds the whole machine has spent busy since boot (/proc/stat:
-    user, nice, system, irq, softirq and steal, a hypervisor's other guests
-    being a busy machine too; guest time is inside user already)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:9]]
-    return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / os.sysconf("SC_CLK_TCK")
 
 
 def worker(engine: str, category: str, max_tokens: int, streams: int) -> dict:
@@ -129,7 +122,7 @@ def worker(engine: str, category: str, max_tokens: int, streams: int) -> dict:
     return {"tokens": n, "seconds": time.perf_counter() - t0, "texts": toks}
 
 
-OTHERS = [0.0, 0.0]  # CPU seconds other processes used while workers ran, and the workers' wall seconds x cores
+OTHERS = Others()
 
 
 def _spawn(engine, category, a, python, env):
@@ -138,13 +131,7 @@ def _spawn(engine, category, a, python, env):
     machine that the worker's own threads do not inflate (a load average does)."""
     cmd = [python, str(Path(__file__)), "--worker", engine, "--category", category,
            "--max-tokens", str(a.max_tokens), "--streams", str(a._streams)]
-    ru0, b0, t0 = os.times(), busy_cpus(), time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-    ru1, b1, t1 = os.times(), busy_cpus(), time.perf_counter()
-    own = (ru1.children_user + ru1.children_system + ru1.user + ru1.system
-           - ru0.children_user - ru0.children_system - ru0.user - ru0.system)
-    OTHERS[0] += max(0.0, (b1 - b0) - own)
-    OTHERS[1] += (t1 - t0) * (os.cpu_count() or 1)
+    r = OTHERS.run(cmd, env=env, timeout=1800)
     if r.returncode != 0:
         raise SystemExit(f"{engine} {category}: failed\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -224,10 +211,8 @@ def main(argv=None) -> int:
                if drafts else "—")
         per = f"{1 + sum(x['accepted'] for x in v) / drafts:.2f}" if drafts else "—"
         print(f"| {eng} | {cat} | {s} | {med[(eng, cat, s)]:.1f} | {sp} | {acc} | {per} |")
-    others = OTHERS[0] / max(OTHERS[1], 1e-9)
     print(f"\nload average (1 min) at start {load0[0]:.2f}, at end {load1[0]:.2f} (the end's includes the "
-          f"workers' own threads); other processes used {others:.1%} of the machine while workers ran"
-          f"{' (busy machine)' if others > 0.05 else ' (quiet)'}")
+          f"workers' own threads); {OTHERS.line()}")
     if bad:
         print(f"OUTPUT DIFFERS from the recorded greedy ids: {bad}")
         return 1

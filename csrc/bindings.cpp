@@ -12,6 +12,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstring>
 #include <functional>
 #include <stdexcept>
@@ -219,6 +220,16 @@ NB_MODULE(_core, m) {
           return nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(p, 1, shape, owner);
         },
         "nbytes"_a);
+  m.def("vnni_peak_gmacs",
+        [](int64_t iters) {
+          const std::vector<std::string> isas = lj::supported_isas();
+          if (std::find(isas.begin(), isas.end(), "avx512") == isas.end())
+            throw std::invalid_argument("vnni_peak_gmacs: this CPU does not run the avx512 tier");
+          if (iters < 1) throw std::invalid_argument("vnni_peak_gmacs: iters must be >= 1");
+          nb::gil_scoped_release unlocked;
+          return lj::vnni_peak_gmacs_avx512(iters);
+        },
+        "iters"_a = 20000000, "One core's vpdpbusd (zmm) rate in GMAC/s (kernels/ops.h).");
   m.def("step_allocations", &lj::step_allocations,
         "Heap allocations (operator new) made by this module's code inside steps, since import.");
 

@@ -60,6 +60,11 @@ const KernelTable* kernels_ref();
 const KernelTable* kernels_avx2();
 const KernelTable* kernels_avx512();
 const KernelTable* kernels_amx();
+// One core's vpdpbusd (zmm) rate in GMAC/s over `iters` rounds of 12
+// independent accumulators: the ceiling of W*A8 matrix work on the avx512 tier
+// (benchmarks/prefill_peers.py prints each type's share of it). Only on a CPU
+// that runs the avx512 tier.
+double vnni_peak_gmacs_avx512(int64_t iters);
 
 #ifndef LJ_NS
 // OpTraits<P>: an op's kind and name, and its fields by name (for the
