@@ -195,13 +195,13 @@ NB_MODULE(_core, m) {
         },
         "a"_a, "n_threads"_a = 1);
   // Weight storage (formats/pages.py): uint8 [nbytes] in a mapping of its own
-  // (runtime/pages.h: 2 MiB-aligned, huge pages asked for, committed on first
-  // write), unmapped when the array dies. Heap memory below kPageMapMin.
+  // (runtime/pages.h: 2 MiB-aligned, no huge pages, committed on first write),
+  // unmapped when the array dies. Heap memory below kPageMapMin.
   m.def("page_buffer",
         [](int64_t nbytes) {
           if (nbytes < 0) throw std::invalid_argument("page_buffer: negative size");
           size_t map_len = 0;
-          uint8_t* p = nbytes >= lj::kPageMapMin ? lj::map_pages(nbytes, &map_len, true) : nullptr;
+          uint8_t* p = nbytes >= lj::kPageMapMin ? lj::map_pages(nbytes, &map_len) : nullptr;
           nb::capsule owner;
           if (p) {
             // the length rides in a heap cell beside the pointer (a capsule holds one pointer)

@@ -171,7 +171,7 @@ int Executor::alloc_buffer(int64_t nbytes) {
   // lazily, so an unused KV pool costs no RSS) and no kernel reads what it
   // did not write.
   size_t map_len = 0;
-  uint8_t* p = rounded >= kPageMapMin ? map_pages(rounded, &map_len, false) : nullptr;
+  uint8_t* p = rounded >= kPageMapMin ? map_pages(rounded, &map_len) : nullptr;
   if (!p) p = (uint8_t*)std::aligned_alloc(64, (size_t)rounded);
   if (!p) throw std::bad_alloc();
   ++allocations_;
@@ -190,12 +190,8 @@ void Executor::BufferFree::operator()(uint8_t* p) const {
 void Executor::prefault_buffer(int id) {
   if (id < 0 || id >= (int)buffers_.size()) throw std::out_of_range("no such buffer");
   Buffer& b = buffers_[id];
-  if (b.data.get_deleter().map_len) {
-    ask_huge_pages(b.data.get(), b.size);  // committed whole now: huge pages cost no RSS here
-    populate_pages(b.data.get(), b.size, cfg_.n_threads);
-  } else {
-    std::memset(b.data.get(), 0, (size_t)b.size);
-  }
+  if (b.data.get_deleter().map_len) populate_pages(b.data.get(), b.size, cfg_.n_threads);
+  else std::memset(b.data.get(), 0, (size_t)b.size);
 }
 
 uint8_t* Executor::buffer_data(int id) const {

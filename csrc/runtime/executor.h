@@ -34,8 +34,8 @@ class Executor {
   const char* isa() const { return table_->isa; }
 
   // 64-byte aligned buffer owned by the executor (contents undefined); its id.
-  // From kPageMapMin (runtime/pages.h) a mapping of its own, 2 MiB-aligned,
-  // committed on first touch (or whole, in huge pages, by prefault_buffer).
+  // From kPageMapMin (runtime/pages.h) a mapping of its own, committed on
+  // first touch (or whole by prefault_buffer).
   int alloc_buffer(int64_t nbytes);
   // Commits buffer `id`'s memory now, zero-filled (its contents are lost), on
   // the executor's threads: the KV pool, so that no step takes its page faults.

@@ -12,30 +12,16 @@
 
 namespace lj {
 namespace {
-constexpr size_t kHuge = size_t(2) << 20;
 constexpr int64_t kPiece = int64_t(64) << 20;
 }  // namespace
 
-void ask_huge_pages(uint8_t* p, int64_t nbytes) {
-  // the whole 2 MiB spans only: one over a partial tail would commit up to
-  // 2 MiB that holds nothing. Advice only: ignored where THP is off.
-  const size_t whole = (size_t)nbytes / kHuge * kHuge;
-  if (whole && (uintptr_t)p % kHuge == 0) madvise(p, whole, MADV_HUGEPAGE);
-}
-
-uint8_t* map_pages(int64_t nbytes, size_t* map_len, bool huge) {
+uint8_t* map_pages(int64_t nbytes, size_t* map_len) {
   if (nbytes <= 0) return nullptr;
-  const size_t page = 4096, len = ((size_t)nbytes + page - 1) / page * page;
-  // over-map by one huge page, then trim both ends to a 2 MiB-aligned span
-  void* raw = mmap(nullptr, len + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (raw == MAP_FAILED) return nullptr;
-  const uintptr_t a = (uintptr_t)raw, b = (a + kHuge - 1) / kHuge * kHuge;
-  if (b > a) munmap(raw, b - a);
-  const uintptr_t end = a + len + kHuge;
-  if (end > b + len) munmap((void*)(b + len), end - (b + len));
-  if (huge) ask_huge_pages((uint8_t*)b, (int64_t)len);
+  const size_t len = ((size_t)nbytes + 4095) / 4096 * 4096;
+  void* p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return nullptr;
   *map_len = len;
-  return (uint8_t*)b;
+  return (uint8_t*)p;
 }
 
 void unmap_pages(uint8_t* p, size_t map_len) {

@@ -1,11 +1,15 @@
-// pages.h — big buffers (weights, the KV pool, the arena) as their own
-// anonymous mappings, 2 MiB-aligned with transparent huge pages asked for.
+// pages.h — big buffers (weights, the KV pool, the arena) as anonymous
+// mappings of their own, without transparent huge pages.
 //
 // Why not malloc: in the VMs this runs on, committing fresh memory is most of
-// a load (the host backs each page on first touch). Measured on a 2-core Zen 4
-// VM, 300 MiB written once in a fresh process: numpy's np.empty (malloc'd,
-// unaligned) 1.9-3.2 s/GiB; an aligned mapping with MADV_HUGEPAGE 0.75-1.0
-// s/GiB written, 0.6-0.7 s/GiB committed by MADV_POPULATE_WRITE.
+// a load (the host backs each page on first touch), and numpy asks for huge
+// pages on its big allocations (MADV_HUGEPAGE); with THP's defrag at
+// "madvise", as here, such faults compact memory synchronously. Measured on a
+// 2-core Zen 4 VM, 2026-12-07, 300 MiB written once in a fresh process: numpy's
+// np.empty 1.9-3.2 s/GiB, a mapping 0.75-1.0 s/GiB written, 0.6-0.7 s/GiB
+// committed by MADV_POPULATE_WRITE. First loads of a 1B Q6_K, 8 alternating
+// rounds: weights in mappings with MADV_HUGEPAGE median 2.64 s (1.42-2.82),
+// without 1.62 s (1.46-1.89); decode unchanged within the VM's noise.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -13,18 +17,13 @@
 namespace lj {
 
 // Below this, buffers come from the heap (a mapping per small buffer wastes
-// address space and a huge page could not be used anyway).
+// address space).
 constexpr int64_t kPageMapMin = int64_t(2) << 20;
 
-// A mapping of nbytes (rounded up to 4 KiB pages) at a 2 MiB-aligned address,
-// zero and not yet committed; nullptr when the system refuses. *map_len gets
-// the length to give unmap_pages. `huge`: transparent huge pages asked for
-// over its whole 2 MiB spans (ask_huge_pages), for memory that will be
-// written whole (weights): a huge page is committed whole at its first
-// touch, so a buffer touched sparsely (an arena, a KV pool filled as it goes)
-// would hold up to 2 MiB of RSS per touch.
-uint8_t* map_pages(int64_t nbytes, size_t* map_len, bool huge);
-void ask_huge_pages(uint8_t* p, int64_t nbytes);
+// A mapping of nbytes (rounded up to 4 KiB pages), zero and not yet
+// committed; nullptr when the system refuses. *map_len gets the length to
+// give unmap_pages.
+uint8_t* map_pages(int64_t nbytes, size_t* map_len);
 void unmap_pages(uint8_t* p, size_t map_len);
 
 // Commits [p, p + nbytes) of a mapping from map_pages as zeros, without
