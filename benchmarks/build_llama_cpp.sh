@@ -117,6 +117,14 @@ else
     # ik_llama.cpp keeps llama-bench and the server under examples/
     [[ -d "${SRC}/examples/llama-bench" ]] || die "no examples/llama-bench in ${SRC}"
     CMAKE_ARGS+=(-DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON)
+    # The 0.1.5 sdist lacks common/cmake/build-info-gen-cpp.cmake, the script that writes
+    # common/build-info.cpp (the build's number and commit, from git); write that file from its
+    # template here, so the rule that would run the missing script finds it up to date.
+    if [[ ! -f "${SRC}/common/cmake/build-info-gen-cpp.cmake" && -f "${SRC}/common/build-info.cpp.in" ]]; then
+        log "writing common/build-info.cpp (the sdist lacks its generator)"
+        sed -e 's/@BUILD_NUMBER@/0/' -e "s/@BUILD_COMMIT@/${PKG}-${VER}/" -e 's/@BUILD_COMPILER@/unknown/' \
+            -e 's/@BUILD_TARGET@/unknown/' "${SRC}/common/build-info.cpp.in" > "${SRC}/common/build-info.cpp"
+    fi
 fi
 EXTRA_FLAGS=""
 if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then

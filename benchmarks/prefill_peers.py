@@ -117,6 +117,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ik", help="ik_llama.cpp llama-bench binary")
     ap.add_argument("--types", default=",".join(TYPES), help="make_random_gguf.py mixes, comma-separated")
     ap.add_argument("--shape", default="1b", choices=["1b", "3b", "8b"])
+    ap.add_argument("--files", default="", help="GGUF files to run as they are (comma-separated), besides --types")
     ap.add_argument("--dir", default="/tmp/prefill_peers", help="where the random-weight GGUFs are written")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=2, help="timed repetitions per test inside each process")
@@ -147,8 +148,9 @@ def main(argv=None) -> int:
           + (f"; vpdpbusd peak {peak:.1f} GMAC/s ({threads} cores)" if peak else ""), flush=True)
     tests = [f"pp{n}" for n in PP] + [f"tg{TG}"]
     summary = []
-    for typ in a.types.split(","):
-        f = Path(a.dir) / f"{a.shape}-{typ}.gguf"
+    runs = [(t, Path(a.dir) / f"{a.shape}-{t}.gguf") for t in a.types.split(",") if t]
+    runs += [(Path(f).stem, Path(f)) for f in a.files.split(",") if f]
+    for typ, f in runs:
         if not f.exists():
             subprocess.run([sys.executable, str(HERE / "make_random_gguf.py"), str(f), "--shape", a.shape,
                             "--mix", typ], check=True, capture_output=True)
@@ -161,7 +163,7 @@ def main(argv=None) -> int:
                 macs = res.get("macs_per_token", macs)
                 got[name].append(res)
         med = {n: {t: statistics.median(x[t] for x in v) for t in tests} for n, v in got.items()}
-        print(f"\n{a.shape} {typ} ({f.stat().st_size / 2**20:.0f} MiB), tok/s, medians of {a.rounds} rounds:")
+        print(f"\n{f.name} ({f.stat().st_size / 2**20:.0f} MiB), tok/s, medians of {a.rounds} rounds:")
         print(f"  {'engine':<12}" + "".join(f"{t:>10}" for t in tests))
         for n, m in med.items():
             print(f"  {n:<12}" + "".join(f"{m[t]:>10.1f}" for t in tests))
