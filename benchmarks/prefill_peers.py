@@ -23,8 +23,9 @@ decoded tokens after a one-token prompt.
 pp512 is the issue's target: printed as llamajet / mainline and llamajet /
 ik's best. On the avx512 tier each type's pp512 is also printed as a share
 of the vpdpbusd peak of the cores used (measured here, one core's rate times
-threads), from the matrices' multiply-adds per token (the non-matrix work is
-left out, so the share is of matrix work at that speed). Whether the machine
+threads), from the matrices' multiply-adds per prompt token (the LM head's
+left out, as a prompt runs it on its last token only; the non-matrix work is
+left out too, so the share is of matrix work at that speed). Whether the machine
 was busy: the CPU time other processes used while the workers ran.
 
     python benchmarks/prefill_peers.py --mainline /tmp/mainline-llama-bench/bin/llama-bench \\
@@ -98,10 +99,11 @@ for _ in range(reps):
     assert len(out[0].token_ids) == tg + 1
     ts.append(tg / dt)  # tg + 1 steps: the one-token prompt's step and tg decode steps
 res[f"tg{tg}"] = sum(ts) / len(ts)
-# multiply-adds per token of the matrices (the LM head included: llama-bench computes it for every token too)
+# multiply-adds per prompt token of the matrices: not the LM head's, which a prompt runs on its last
+# row only (llama-bench's pp too: its batch asks for the last token's logits)
 r = llm.engine.runner
 res["macs_per_token"] = int(sum(r.weights[n.inputs["w"]].shape[0] * r.weights[n.inputs["w"]].shape[1]
-                                for n in r.graph.nodes if n.op == "matmul"))
+                                for n in r.graph.nodes if n.op == "matmul" and n.outputs.get("out") != "logits"))
 print(json.dumps(res))
 """
 
