@@ -2,7 +2,7 @@
 
 A GGUF block matrix the packed kernels read is not repacked when the weights
 are prepared: prepare_weights gives it its packed twin's format and shape
-and an unwritten buffer (np.empty: address space, no memory yet), with a
+and an unwritten buffer (formats/pages.empty: address space, no memory yet), with a
 Pending fill naming the file's bytes. The fusion passes stack such weights
 (formats/stack.py) by giving the parts' fills slices of one new buffer; no
 bytes move. `materialize` then runs every fill — the C++ repack, threaded,
