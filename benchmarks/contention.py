@@ -106,7 +106,7 @@ def _serve(label, threads, note, timed, reset, stats) -> None:
         st = stats() if stats else None
         if st:
             st = {k: st.get(k) for k in ("chunks", "stolen", "sleeps", "thread_idle_fraction", "steps", "busy_steps",
-                                         "all_busy_steps")}
+                                         "all_busy_steps", "backups", "discarded", "staged_steps")}
         out.write(json.dumps({"s": s, "stats": st}) + "\n")
         out.flush()
 
@@ -342,7 +342,7 @@ def main(argv=None) -> int:
     print()
     print(_machine_load().replace("before the run", "after the run"))
     hdr = f"{'row':10s} {'-t':>3s} {'engine':12s} {'decode':>8s} " + " ".join(f"{'pre' + str(p):>8s}" for p in pre_lens)
-    print(hdr + "   llamajet threads: chunks / stolen, idle")
+    print(hdr + "   llamajet threads: chunks / stolen, idle, sleeps, backups (builds that have them)")
     print("-" * (len(hdr) + 40))
     for sc, t, name, m, st in rows:
         if name is None:
@@ -355,6 +355,9 @@ def main(argv=None) -> int:
         if st:
             extra = ("   " + " ".join(f"{c}/{s}" for c, s in zip(st["chunks"], st["stolen"]))
                      + f", idle {st['thread_idle_fraction']:.2f}, sleeps {st['sleeps']}")
+            if st.get("backups") is not None:  # chunks committed for a holder / copies dropped, staged steps
+                extra += (f", backups {'/'.join(map(str, st['backups']))} dropped "
+                          f"{'/'.join(map(str, st['discarded']))} in {st['staged_steps']} staged steps")
         print(f"{sc:10s} {t:3d} {name:12s} {m['decode']:8.1f} " + " ".join(f"{m[f'prefill{p}']:8.1f}" for p in pre_lens)
               + extra)
     print("(tok/s)")

@@ -395,6 +395,9 @@ NB_MODULE(_core, m) {
              d["steps"] = t.steps;
              d["wall_cycles"] = t.wall_cycles;
              d["sleeps"] = t.sleeps;
+             d["backups"] = t.backups;
+             d["discarded"] = t.discarded;
+             d["staged_steps"] = t.staged_steps;
              const size_t n = e.num_ops(), nth = (size_t)e.config().n_threads;
              nb::list per;
              for (size_t i = 0; i < nth && nth > 1; ++i)
@@ -404,7 +407,9 @@ NB_MODULE(_core, m) {
            },
            "How the threads shared the work since reset_thread_stats(): per thread the chunks run and "
            "stolen and the TSC cycles inside kernels; the steps and their wall cycles (thread 0); waits "
-           "that slept; chunks per op per thread in the last step (several threads only).")
+           "that slept; chunks per op per thread in the last step (several threads only); backup copies: "
+           "per thread the chunks it committed for a thread that held them (backups, also in chunks) and "
+           "the copies it ran that lost their commit (discarded), and the steps run staged.")
       .def("reset_thread_stats", &lj::Executor::reset_thread_stats)
       .def_prop_ro("last_step_regions", &lj::Executor::last_step_regions,
                    "Regions in the last step: the ops, less the kv_write + attention pairs run as one "
@@ -420,14 +425,21 @@ NB_MODULE(_core, m) {
            },
            "The Program's op kinds, in order.")
       .def("set_test_stall",
-           [](lj::Executor& e, int ith, uint32_t kinds_mask, bool every) {
+           [](lj::Executor& e, int ith, uint32_t kinds_mask, bool every, bool hold) {
              if (ith < -1 || ith >= e.config().n_threads) throw std::invalid_argument("set_test_stall: no such thread");
              if (ith == 0) throw std::invalid_argument("set_test_stall: thread 0 starts the step; stall a worker");
-             e.set_test_stall(ith, kinds_mask, every);
+             if (hold && (kinds_mask & ~(1u << lj::OP_MATMUL)))
+               throw std::invalid_argument("set_test_stall: hold applies to matmuls only (the ops run staged)");
+             e.set_test_stall(ith, kinds_mask, every, hold);
            },
-           "ith"_a, "kinds_mask"_a, "every"_a = false,
+           "ith"_a, "kinds_mask"_a, "every"_a = false, "hold"_a = false,
            "Test hook: worker ith sits out the first op (every: each op) of each kind in kinds_mask "
-           "(bit = OpKind) of every step, claiming nothing, until the others have done it. ith = -1: off.")
+           "(bit = OpKind) of every step, claiming nothing, until the others have done it. ith = -1: off. "
+           "hold (matmuls of staged steps only): it claims one chunk of the op instead and runs it only "
+           "after the others have finished the op (a thread descheduled mid-chunk).")
+      .def_prop_rw("backups", &lj::Executor::backups_mode, &lj::Executor::set_backups,
+                   "Backup copies of held matmul chunks: 0 never, 1 in steps after a thread was found busy "
+                   "(default; LLAMAJET_BACKUPS=never|busy|always), 2 in every step of up to 16 tokens.")
       .def("profile",
            [](const lj::Executor& e) {
              nb::list out;  // (op index, kind, total ns) over the profiled steps

@@ -210,6 +210,34 @@ static inline Range split(int64_t n, int ith, int nth) {
   return {b, e};
 }
 
+// A chunk's output held back (the executor's backup copies): while a thread
+// runs a chunk staged, the matmul epilogues append each row's finished
+// columns (where, how many, the values) here instead of writing them, and
+// only the one thread that commits the chunk first (its own run or a backup
+// of it) writes them to memory. A thread that loses the commit drops its
+// copy, so nothing is written twice or late. Sized by the executor for the
+// largest staged chunk; `overflow` marks a chunk that did not fit (never
+// committed).
+struct StageEntry {
+  float* dst;
+  int64_t n;
+  float v[TILE];
+};
+struct Stage {
+  StageEntry* e;
+  int64_t n, cap;
+  bool overflow;
+};
+inline void stage_put(Stage& s, float* dst, const float* v, int64_t n) {
+  if (s.n == s.cap) {
+    s.overflow = true;
+    return;
+  }
+  StageEntry& x = s.e[s.n++];
+  x.dst = dst, x.n = n;
+  for (int64_t r = 0; r < n; ++r) x.v[r] = v[r];
+}
+
 // Per-step inputs; arrays are owned by the Executor (sized at construction).
 struct StepCtx {
   int32_t n_tokens;
@@ -230,6 +258,9 @@ struct StepCtx {
   // (a matmul's quantized input rows in scratch) runs it then, and later
   // chunks of the op on the same thread reuse it.
   int32_t first;
+  // Not null while this thread runs a chunk staged (Stage): the matmul
+  // epilogues write there instead.
+  Stage* stage;
 };
 
 // Rows of an operand in this step (ROWS_TOKENS / ROWS_OUT resolved).

@@ -97,19 +97,25 @@ def decode_steps(llm, n=6) -> dict:
     return rows
 
 
-def test_a_stalled_worker_leaves_its_chunks_to_the_others(two):
+@pytest.mark.parametrize("backups", [0, 2])
+def test_a_stalled_worker_leaves_its_chunks_to_the_others(two, backups):
     """Worker 1 sits out the first op of every kind in every step (as if the
     OS had taken its core then): the other thread claims all those ops'
     chunks, worker 1 still claims chunks in the ops after, and every logits
-    row is the same bits as unstalled."""
+    row is the same bits as unstalled. With backup copies on (2: every step
+    of <= 16 tokens runs its matmuls staged) and off."""
     exe = two.engine.runner.exe
+    exe.backups = 0
     free = decode_steps(two)
     try:
+        exe.backups = backups
         exe.set_test_stall(1, ALL_KINDS)
         stalled = decode_steps(two)
         t = two.engine.runner.thread_stats()
     finally:
         exe.set_test_stall(-1, 0)
+        exe.backups = 1
+    assert t["staged_steps"] == (6 if backups else 0)
     assert stalled.keys() == free.keys() and len(free) == 6
     for k, v in free.items():
         np.testing.assert_array_equal(stalled[k], v)
@@ -122,6 +128,47 @@ def test_a_stalled_worker_leaves_its_chunks_to_the_others(two):
     later = [k for k in range(exe.num_ops) if k not in first]
     assert per_op[1, later].sum() > 0 and per_op[0, later].sum() > 0  # both threads claim the rest
     assert t["chunks"][1] > 0 and t["chunks"][0] > t["chunks"][1] / 10
+
+
+def test_a_chunk_held_mid_way_is_backed_up_and_the_late_copy_dropped(two):
+    """Worker 1 claims a chunk of every matmul and runs it only after the
+    other thread has finished the op (a thread descheduled mid-chunk, whose
+    chunk no other thread could take before: the step would wait for it).
+    Staged, thread 0 runs each held chunk again and commits it; worker 1's
+    late copy loses its commit and writes nothing, though by then the
+    buffers it reads and would write belong to later ops. Every logits row
+    is the same bits as a run without staging; without the backups the
+    steps could not end."""
+    exe = two.engine.runner.exe
+    exe.backups = 0
+    free = decode_steps(two)
+    assert two.engine.runner.thread_stats()["staged_steps"] == 0
+    matmul = 1 << int(OpKind.matmul)
+    try:
+        exe.backups = 2
+        exe.set_test_stall(1, matmul, every=True, hold=True)
+        held = decode_steps(two)
+        t = two.engine.runner.thread_stats()
+    finally:
+        exe.set_test_stall(-1, 0)
+        exe.backups = 1
+    assert held.keys() == free.keys() and len(free) == 6
+    for k, v in free.items():
+        np.testing.assert_array_equal(held[k], v)
+    n_matmul = [int(kd) for kd in exe.op_kinds()].count(int(OpKind.matmul))
+    assert t["staged_steps"] == 6 and n_matmul >= 100
+    # One held chunk per matmul and step (the hook lets worker 1 claim first),
+    # each backed up by thread 0 (committed) and its late copy dropped; on a
+    # crowded CPU thread 0 may also back up a chunk worker 1 was still running
+    # (whichever copy commits first wins). Worker 1 backs up nothing (it
+    # holds a chunk of every matmul), so each copy of its that was dropped
+    # lost to a backup by thread 0.
+    assert t["backups"][1] == 0
+    assert t["backups"][0] == t["discarded"][1] >= 6 * n_matmul
+    with pytest.raises(ValueError, match="matmuls only"):
+        exe.set_test_stall(1, ALL_KINDS, hold=True)
+    with pytest.raises(ValueError, match="mode 0, 1 or 2"):
+        exe.backups = 3
 
 
 def test_idle_fraction_rises_when_a_worker_is_stalled(two):

@@ -3,10 +3,14 @@
 
 #include <x86intrin.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
+
+#include <sched.h>
 
 #include "alloc_count.h"
 #include "cpu_features.h"
@@ -43,8 +47,26 @@ constexpr int64_t kWaitPrefetch = 64 * 1024;
 // before the chunk is done, so what the late thread read (ctx_, chunks_) was
 // that step's. Chunks are never run twice (no backup copies): an epilogue
 // that adds into its output in place, or a late write into an arena the next
-// op already reuses, would not survive a duplicate. A chunk held by a thread
-// descheduled mid-chunk therefore still holds its op: counted as sleeps.
+// op already reuses, would not survive a duplicate.
+//
+// Except staged: backup copies. In a step of at most kStageRows tokens
+// after a thread of the job was found busy (taken off its core against its
+// will lately; set_backups), every matmul chunk runs staged: its epilogue
+// writes go into the thread's stage (StepCtx::stage), and the chunk is
+// committed by a CAS on commit_[op][u] (from an older step's generation to
+// this one): the winner writes the stage to memory and reports the chunk
+// done, a loser drops its copy. A thread that finds nothing left to claim
+// and has waited its spin budget (about two chunks: a running holder would
+// have finished) runs the op's uncommitted chunks itself, staged, and
+// commits what it wins (MapReduce's backup tasks). Safe because only a
+// commit writes, once, while the op is running (it is not complete before
+// its last chunk is committed); a late holder reads whatever its inputs
+// have become, into its own stage and scratch, and loses its commit; a
+// residual epilogue reads the residual before any commit of its columns.
+// Bits: a chunk's values are the same whoever runs it (no kernel's
+// arithmetic depends on the thread), so a backup changes no result.
+// Matmuls are most of a decode step; the other ops still wait for a held
+// chunk (counted as sleeps).
 namespace {
 constexpr uint32_t kGenMask = (1u << 24) - 1;
 constexpr uint64_t kPosMask = (1u << 20) - 1;
@@ -145,6 +167,10 @@ Executor::Executor(const ExecConfig& cfg) : cfg_(cfg), table_(kernel_table(cfg.i
   ctx_.block_size = cfg_.block_size;
   ctx_.first = 1;
   per_thread_ = std::vector<PerThread>(cfg_.n_threads);
+  if (const char* b = std::getenv("LLAMAJET_BACKUPS")) {
+    const std::string v = b;
+    backups_mode_ = v == "never" ? BACKUPS_NEVER : v == "always" ? BACKUPS_ALWAYS : BACKUPS_BUSY;
+  }
   size_claims();
 }
 
@@ -162,6 +188,20 @@ void Executor::size_claims() {
   for (auto& l : done_)
     for (auto& w : l.w) w.store((uint64_t)g << 32 | kComplete, std::memory_order_relaxed);
   chunks_per_op_.assign(nth * n, 0);
+  commit_.reset(new std::atomic<uint32_t>[n * kMaxChunks + 1]);
+  for (size_t i = 0; i < n * kMaxChunks + 1; ++i) commit_[i].store(g, std::memory_order_relaxed);
+  // Stages: the largest matmul chunk (tiles per chunk as op_chunks cuts
+  // them, plus one for QKV's two ranges) at kStageRows rows.
+  stage_cap_ = 0;
+  for (const Slot& s : slots_)
+    if (s.kind == OP_MATMUL) {
+      const int64_t tiles = (((const MatmulOp*)s.params)->w.rows + TILE - 1) / TILE;
+      const int64_t U = even_chunks(tiles, 4, kMaxChunks), per = (tiles + U - 1) / U + 1;
+      stage_cap_ = std::max(stage_cap_, per * kStageRows);
+    }
+  stage_mem_.assign(nth > 1 ? nth * stage_cap_ : 0, StageEntry{});
+  stages_.assign(nth, Stage{});
+  for (size_t t = 0; t < nth && nth > 1; ++t) stages_[t] = Stage{stage_mem_.data() + t * stage_cap_, 0, stage_cap_, false};
 }
 
 int Executor::alloc_buffer(int64_t nbytes) {
@@ -341,6 +381,10 @@ void Executor::run(int n_tokens, const int32_t* tokens, const int32_t* positions
   last_regions_ = (int64_t)slots_.size() - (pairs ? pairs_ : 0);
   if (cfg_.n_threads > 1) {
     pairs_live_.store(pairs, std::memory_order_relaxed);
+    const bool staged = n_tokens <= kStageRows &&
+                        (backups_mode_ == BACKUPS_ALWAYS || (backups_mode_ == BACKUPS_BUSY && any_thread_busy(cfg_.n_threads)));
+    stage_live_.store(staged, std::memory_order_relaxed);
+    PerThread::add(staged_steps_, staged);
     for (size_t k = 0; k < slots_.size(); ++k)
       chunks_[k].store((int32_t)op_chunks(slots_[k].kind, slots_[k].params, ctx_, runs), std::memory_order_relaxed);
     step_gen_.fetch_add(1, std::memory_order_release);  // launch() publishes it (and ctx_, chunks_) again
@@ -390,9 +434,10 @@ void Executor::job_chunked(int ith, int nth) {
   PerThread::add(me.busy_steps, regime >= 1);
   PerThread::add(me.all_busy_steps, regime == 2);
   int32_t* counts = chunks_per_op_.data() + (size_t)ith * n;
-  uint32_t stalled = 0;  // op kinds this thread has sat out (test hook)
+  uint32_t stalled = 0;  // op kinds the test hook has met this step
   auto t0 = std::chrono::steady_clock::now();
   const bool pairs = pairs_live_.load(std::memory_order_relaxed);  // (validated with each claim, as chunks_)
+  const bool staged = stage_live_.load(std::memory_order_relaxed);  // (likewise)
   for (size_t k = 0; k < n; ++k) {
     const Slot& op = slots_[k];
     // The region: op k, or op k and k + 1 (Slot::pairs_next); its last op's
@@ -404,8 +449,21 @@ void Executor::job_chunked(int ith, int nth) {
     for (size_t j = k + 1; j <= last + 1 && j < n; ++j)
       for (int off = 0; off < slots_[j].bytes; off += 64) __builtin_prefetch((const char*)slots_[j].params + off, 0, 3);
     for (size_t j = k; j <= last; ++j) counts[j] = 0;
-    if (ith == stall_thread_ && (stall_kinds_ >> op.kind & 1) && (stall_every_ || !(stalled >> op.kind & 1))) {
-      stalled |= 1u << op.kind;
+    // (test hook: `stalled` holds the kinds met so far this step, on every thread)
+    const bool hook = stall_thread_ >= 0 && (stall_kinds_ >> op.kind & 1) && (stall_every_ || !(stalled >> op.kind & 1));
+    const bool stall = hook && ith == stall_thread_;
+    if (staged && op.kind == OP_MATMUL) {
+      stalled |= hook ? 1u << op.kind : 0;
+      if (!run_staged(k, g, ith, nth, c, me, stall ? 1 + stall_hold_ : hook && stall_hold_ ? 3 : 0)) return;
+      if (prof) {
+        const auto t1 = std::chrono::steady_clock::now();
+        op_ns_[k] += std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
+        t0 = t1;
+      }
+      continue;
+    }
+    stalled |= hook ? 1u << op.kind : 0;
+    if (stall) {
       if (!wait_op(last, g, -1, nth, 0)) return;
       k = last;
       continue;
@@ -438,6 +496,104 @@ void Executor::job_chunked(int ith, int nth) {
     k = last;
   }
   if (prof) ++steps_;
+}
+
+// Op k of a staged step (the top of this file): claim, run staged, commit,
+// and report each chunk as it is committed (a holder's finished chunks must
+// not wait for it to come back); then wait for the op's end, and once the
+// spin budget is spent, run the chunks others still hold. false: step g is
+// over (a late thread). stall (test hook): 1 sit the op out, 2 hold one
+// chunk until the others have finished the op, then run it; 3 let the
+// holder claim first.
+bool Executor::run_staged(size_t k, uint32_t g, int ith, int nth, StepCtx& c, PerThread& me, int stall) {
+  int32_t* count = chunks_per_op_.data() + (size_t)ith * slots_.size() + k;
+  *count = 0;
+  if (stall == 1) return wait_op(k, g, -1, nth, 0);
+  const double tsc_ns = tsc_per_ns();
+  c.stage = &stages_[ith];
+  c.first = 1;
+  int64_t mine = 0, longest = 0, held = -1;
+  if (stall == 3) {
+    // (test hook) the holder claims first, so that it holds a chunk of this
+    // op on any machine (on one CPU it might otherwise arrive after the
+    // others had claimed them all); at most 1 s
+    const uint64_t want = (uint64_t)g << 32 | k;
+    for (const int64_t end = now_ns() + 1'000'000'000; hold_mark_.load(std::memory_order_acquire) != want && now_ns() < end;)
+      sched_yield();
+  }
+  const auto run = [&](int64_t u, bool backup) {
+    const uint64_t w0 = __rdtsc();
+    const bool won = run_chunk_staged(k, u, g, c);
+    const int64_t dt = (int64_t)(__rdtsc() - w0);
+    PerThread::add(me.work, dt);
+    longest = dt > longest ? dt : longest;
+    mine += won;
+    PerThread::add(won ? me.chunks : me.discarded, 1);
+    PerThread::add(me.backups, won && backup);
+  };
+  for (;;) {
+    bool stolen = false;
+    const int64_t u = claim(k, k, ith, nth, g, &stolen);
+    if (u == -2) return c.stage = nullptr, false;
+    if (u < 0) break;
+    PerThread::add(me.stolen, stolen);
+    if (stall == 2 && held < 0) {
+      held = u;
+      hold_mark_.store((uint64_t)g << 32 | k, std::memory_order_release);
+      continue;
+    }
+    run(u, false);
+  }
+  int st = 0;
+  if (held >= 0) {
+    if (wait_op(k, g, -1, nth, 0)) run(held, false);  // the others have committed it: this copy loses
+    *count = (int32_t)mine;
+    return c.stage = nullptr, true;
+  }
+  const int64_t chunk_ns = (int64_t)(longest / tsc_ns);
+  Spinner sp(spin_ns_for_chunks(chunk_ns));
+  while (!(st = op_state(k, g)) && sp.spin()) {
+  }
+  // Past the budget: whatever is still uncommitted is held by a thread that
+  // is not running (every chunk is claimed: claim found none).
+  const int64_t U = chunks_[k].load(std::memory_order_relaxed);
+  for (int64_t u = 0; u < U && !st; ++u) {
+    if (commit_[k * kMaxChunks + u].load(std::memory_order_acquire) != g) run(u, true);
+    st = op_state(k, g);
+  }
+  *count = (int32_t)mine;
+  c.stage = nullptr;
+  if (st) return st > 0;
+  return wait_op(k, g, ith, nth, chunk_ns);
+}
+
+// Runs chunk u of op k into this thread's stage and commits it: true when
+// this copy won (its writes are in memory and the chunk is reported done).
+bool Executor::run_chunk_staged(size_t k, int64_t u, uint32_t g, StepCtx& c) {
+  Stage& st = *c.stage;
+  st.n = 0, st.overflow = false;
+  slots_[k].fn(slots_[k].params, c, (int)u, chunks_[k].load(std::memory_order_relaxed));
+  c.first = 0;
+  if (!commit(k, u, g, st)) return false;
+  report(k, g, 1);
+  return true;
+}
+
+// The one commit of chunk u of op k in step g: CAS its word from an older
+// step to g, then write the stage. A word already at g (another copy won)
+// or newer (step g is over: this is a late thread) loses.
+bool Executor::commit(size_t k, int64_t u, uint32_t g, Stage& st) {
+  std::atomic<uint32_t>& a = commit_[k * kMaxChunks + u];
+  uint32_t w = a.load(std::memory_order_acquire);
+  do {
+    if (w == g || newer32(w, g)) return false;
+  } while (!a.compare_exchange_weak(w, g, std::memory_order_acq_rel, std::memory_order_acquire));
+  if (st.overflow) {  // stage_cap_ is sized for the largest staged chunk: never
+    std::fprintf(stderr, "llamajet: internal error: a staged chunk outgrew its stage (op %zu)\n", k);
+    std::abort();
+  }
+  for (int64_t i = 0; i < st.n; ++i) std::memcpy(st.e[i].dst, st.e[i].v, (size_t)st.e[i].n * sizeof(float));
+  return true;
 }
 
 // A chunk of op k for thread ith: its own first (front), then the other
@@ -549,7 +705,10 @@ Executor::ThreadStats Executor::thread_stats() const {
     s.work_cycles.push_back(t.work.load(std::memory_order_relaxed));
     s.busy_steps.push_back(t.busy_steps.load(std::memory_order_relaxed));
     s.all_busy_steps.push_back(t.all_busy_steps.load(std::memory_order_relaxed));
+    s.backups.push_back(t.backups.load(std::memory_order_relaxed));
+    s.discarded.push_back(t.discarded.load(std::memory_order_relaxed));
   }
+  s.staged_steps = staged_steps_.load(std::memory_order_relaxed);
   s.steps = stat_steps_.load(std::memory_order_relaxed);
   s.wall_cycles = wall_cycles_.load(std::memory_order_relaxed);
   s.sleeps = sleeps_.load(std::memory_order_relaxed);
@@ -566,7 +725,9 @@ std::pair<int64_t, int64_t> Executor::idle_counters() const {
 void Executor::reset_thread_stats() {
   pool_->quiesce();
   for (PerThread& t : per_thread_)
-    for (auto* a : {&t.chunks, &t.stolen, &t.work, &t.busy_steps, &t.all_busy_steps}) a->store(0, std::memory_order_relaxed);
+    for (auto* a : {&t.chunks, &t.stolen, &t.work, &t.busy_steps, &t.all_busy_steps, &t.backups, &t.discarded})
+      a->store(0, std::memory_order_relaxed);
+  staged_steps_.store(0, std::memory_order_relaxed);
   wall_cycles_.store(0, std::memory_order_relaxed);
   stat_steps_.store(0, std::memory_order_relaxed);
   sleeps_.store(0, std::memory_order_relaxed);

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <deque>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <variant>
 #include <vector>
@@ -80,6 +81,11 @@ class Executor {
     // lately: it spins less), and with every thread busy (threadpool.h)
     std::vector<int64_t> busy_steps, all_busy_steps;
     int64_t steps = 0, wall_cycles = 0;
+    // backups: chunks this thread committed as a backup copy of a chunk
+    // another thread held past the spin budget; discarded: chunks it ran
+    // whose commit another thread's copy had won (staged steps only)
+    std::vector<int64_t> backups, discarded;
+    int64_t staged_steps = 0;  // steps run staged (their matmuls backed up)
     int64_t sleeps = 0;  // waits for an op's end that went to sleep (a chunk held past the spin budget)
     std::vector<int32_t> chunks_per_op;  // [thread][op] in the last step
   };
@@ -94,10 +100,25 @@ class Executor {
   // with every, each op) of each kind in `kinds_mask` (bit = OpKind) has been
   // done by the others, in every step: a thread the OS took off its core at
   // that moment. -1: off.
-  void set_test_stall(int ith, uint32_t kinds_mask, bool every) {
+  // hold: instead, it claims one chunk of each such op and runs it only
+  // once the others have finished the op (a thread descheduled mid-chunk):
+  // staged ops only (a held chunk of an unstaged op would hold the step).
+  void set_test_stall(int ith, uint32_t kinds_mask, bool every, bool hold = false) {
     pool_->quiesce();
-    stall_thread_ = ith, stall_kinds_ = kinds_mask, stall_every_ = every;
+    stall_thread_ = ith, stall_kinds_ = kinds_mask, stall_every_ = every, stall_hold_ = hold;
   }
+
+  // Backup copies (executor.cpp): 0 never, 1 in steps after a thread of the
+  // job was found busy (the default), 2 in every step of up to kStageRows
+  // tokens. LLAMAJET_BACKUPS=never|busy|always sets the default.
+  enum BackupMode { BACKUPS_NEVER = 0, BACKUPS_BUSY = 1, BACKUPS_ALWAYS = 2 };
+  static constexpr int kStageRows = 16;
+  void set_backups(int mode) {
+    if (mode < BACKUPS_NEVER || mode > BACKUPS_ALWAYS) throw std::invalid_argument("set_backups: mode 0, 1 or 2");
+    pool_->quiesce();
+    backups_mode_ = mode;
+  }
+  int backups_mode() const { return backups_mode_; }
 
   // Runs the Program for one step. Inputs are validated (lengths, ranges)
   // before any kernel runs; throws std::invalid_argument on bad input.
@@ -115,6 +136,10 @@ class Executor {
   int op_state(size_t k, uint32_t g) const;
   bool report(size_t k, uint32_t g, int64_t n);
   bool wait_op(size_t k, uint32_t g, int ith, int nth, int64_t chunk_ns);
+  struct PerThread;
+  bool run_staged(size_t k, uint32_t g, int ith, int nth, StepCtx& c, PerThread& me, int stall);
+  bool run_chunk_staged(size_t k, int64_t u, uint32_t g, StepCtx& c);
+  bool commit(size_t k, int64_t u, uint32_t g, Stage& st);
 
   ExecConfig cfg_;
   const KernelTable* table_;
@@ -175,16 +200,28 @@ class Executor {
   // Written by its thread only; atomics (relaxed: plain loads and stores on
   // x86) so idle_counters() may read them while a step runs.
   struct alignas(64) PerThread {
-    std::atomic<int64_t> chunks{0}, stolen{0}, work{0}, busy_steps{0}, all_busy_steps{0};
+    std::atomic<int64_t> chunks{0}, stolen{0}, work{0}, busy_steps{0}, all_busy_steps{0}, backups{0}, discarded{0};
     static void add(std::atomic<int64_t>& a, int64_t d) { a.store(a.load(std::memory_order_relaxed) + d, std::memory_order_relaxed); }
   };
   std::vector<PerThread> per_thread_;
   std::vector<int32_t> chunks_per_op_;        // [thread][op]
-  std::atomic<int64_t> sleeps_{0};
+  std::atomic<int64_t> sleeps_{0}, staged_steps_{0};
+  // Backup copies (executor.cpp). commit_[op * kMaxChunks + u]: the last
+  // step that committed chunk u of a staged op. stages_[t]: thread t's
+  // stage, stage_cap_ entries (the largest staged matmul chunk at
+  // kStageRows rows), in stage_mem_.
+  static constexpr int kMaxChunks = 32;  // op_chunks' cap for a matmul
+  int backups_mode_ = BACKUPS_BUSY;
+  std::atomic<bool> stage_live_{false};  // this step runs its matmuls staged
+  std::unique_ptr<std::atomic<uint32_t>[]> commit_;
+  std::vector<StageEntry> stage_mem_;
+  std::vector<Stage> stages_;
+  int64_t stage_cap_ = 0;
   std::atomic<int64_t> wall_cycles_{0}, stat_steps_{0};
   int stall_thread_ = -1;
   uint32_t stall_kinds_ = 0;
-  bool stall_every_ = false;
+  bool stall_every_ = false, stall_hold_ = false;
+  std::atomic<uint64_t> hold_mark_{0};  // (step << 32 | op) the holder last held a chunk of
 };
 
 const KernelTable* kernel_table(const std::string& isa);

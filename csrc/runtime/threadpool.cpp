@@ -94,6 +94,11 @@ int note_preemptions(int ith, int nth) {
   return busy ? 1 + all_busy : 0;
 }
 
+bool any_thread_busy(int nth) {
+  const uint64_t all = nth >= 64 ? ~0ull : (1ull << nth) - 1;
+  return (busy_bits.load(std::memory_order_relaxed) & all) != 0;
+}
+
 int64_t spin_ns_between_jobs() {
   const SpinBudgets& b = spin_budgets();
   if (!busy_now()) return b.between_jobs_ns;

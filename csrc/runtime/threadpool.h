@@ -39,6 +39,8 @@ const SpinBudgets& spin_budgets();
 // each of its nth threads (ith: this one's index). Returns the regime: 0
 // quiet, 1 this thread busy, 2 every thread busy.
 int note_preemptions(int ith, int nth);
+// Some thread of the job (indices below nth) was busy at its last job start.
+bool any_thread_busy(int nth);
 // This thread's budgets now.
 int64_t spin_ns_between_jobs();
 int64_t spin_ns_in_job();

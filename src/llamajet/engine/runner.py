@@ -174,7 +174,10 @@ class ModelRunner:
         """How the compute threads shared the steps since the last
         reset_thread_stats(): per thread the chunks run and stolen and the
         cycles inside kernels ("chunks", "stolen", "work_cycles"), the steps,
-        the waits that slept, the last step's chunks per op per thread, and
+        the waits that slept, the last step's chunks per op per thread, the
+        backup copies ("backups": chunks a thread committed for another that
+        held them; "discarded": copies that lost the commit; "staged_steps"),
+        and
         thread_idle_fraction: the share of the threads' time in the steps
         spent waiting rather than computing (1 - work / (threads x step
         wall)). A few percent on a quiet machine (the ops' imbalance and
