@@ -68,6 +68,31 @@ def wait(cond, timeout: float = 30.0) -> bool:
     return False
 
 
+@contextmanager
+def hold_engine(eng, after_tokens: int):
+    """Holds `eng` (its stepping thread waits before the next step) once a
+    running sequence has `after_tokens` output tokens, until release.set()
+    or the block's end; yields (held, release), two threading.Events. For
+    a test that must act while a stream is still open, however fast or slow
+    the machine: a reply trusted to outlast the test's checks once ended
+    first in CI."""
+    held, release = threading.Event(), threading.Event()
+    step = eng.step
+
+    def gated_step():
+        if not held.is_set() and any(s.num_output >= after_tokens for s in eng.scheduler.running):
+            held.set()
+            release.wait(60)
+        return step()
+
+    eng.step = gated_step  # the AsyncEngine looks eng.step up at every step
+    try:
+        yield held, release
+    finally:
+        release.set()
+        del eng.step  # the class's own again
+
+
 def idle(srv: LiveServer) -> bool:
     """No request running and no KV block held."""
     return srv.metric("llamajet:num_requests_running") == 0 and srv.llm.engine.blocks.num_used == 0

@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shutil
-import threading
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -26,7 +25,7 @@ import pytest
 from llamajet import LLM, SamplingParams
 from llamajet.server.app import ServerSettings, create_app
 
-from serverlib import LiveServer, wait
+from serverlib import LiveServer, hold_engine, wait
 
 ROOT = Path(__file__).resolve().parents[1]
 UI = ROOT / "src" / "llamajet" / "server" / "ui"
@@ -239,21 +238,10 @@ def test_stop_cancels_the_request_and_the_server_frees_the_sequence(browser, srv
     tab.until(MODEL_SHOWN)
     tab.set(temperature=0, max_tokens=900)
     before = eng.stats.generated
-    # The engine is held (its stepping thread waits) once the reply has a
-    # few tokens, so the stream is still open when Stop is clicked: without
-    # the hold, a reply that ended on its own between the page showing text
-    # and the click (CI on one core once saw it) left no Stop to click.
-    held, release = threading.Event(), threading.Event()
-    step = eng.step
-
-    def gated_step():
-        if not held.is_set() and any(s.num_output >= 6 for s in eng.scheduler.running):
-            held.set()
-            release.wait(60)
-        return step()
-
-    eng.step = gated_step  # the AsyncEngine looks eng.step up at every step
-    try:
+    # The engine is held once the reply has a few tokens, so the stream is
+    # still open when Stop is clicked (CI once found the reply already ended
+    # and no Stop to click).
+    with hold_engine(eng, 6) as (held, _):
         p.fill("#input", "Count from 1 to 300, one number per line.")
         p.press("#input", "Enter")
         assert held.wait(120)
@@ -262,9 +250,6 @@ def test_stop_cancels_the_request_and_the_server_frees_the_sequence(browser, srv
         p.click("#stop")
         # the browser closes the stream at once; the server sees it at the next step
         tab.settle()
-    finally:
-        release.set()
-        del eng.step
     # the browser closed the stream; the server aborted the sequence and gave its KV blocks back
     assert wait(lambda: srv.metric("llamajet:num_requests_running") == 0 and
                 srv.metric("llamajet:kv_cache_usage_perc") == 0.0)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import threading
 import time
 from pathlib import Path
 
@@ -24,7 +23,7 @@ pytest.importorskip("agents")
 
 from openai.types.responses import Response, ResponseStreamEvent  # noqa: E402
 from pydantic import TypeAdapter  # noqa: E402
-from serverlib import idle as _idle, wait as _wait  # noqa: E402
+from serverlib import hold_engine, idle as _idle, wait as _wait  # noqa: E402
 
 from llamajet.server.response_store import ResponseStore  # noqa: E402
 
@@ -432,22 +431,10 @@ def test_unknown_model_and_empty_input(smol):
 def test_disconnect_mid_stream_frees_the_sequence(smol):
     eng = smol.llm.engine
     before = eng.stats.generated
-    # The engine is held (its stepping thread waits) once the reply has 8
-    # tokens, until the client has closed the stream: so the request is still
-    # running at the checks below however fast or slow the machine (a
-    # slowed engine and 16 lines read was trusted before, and once failed in
-    # CI with the request already finished).
-    held, release = threading.Event(), threading.Event()
-    step = eng.step
-
-    def gated_step():
-        if not held.is_set() and any(s.num_output >= 8 for s in eng.scheduler.running):
-            held.set()
-            release.wait(60)
-        return step()
-
-    eng.step = gated_step
-    try:
+    # The engine is held once the reply has 8 tokens, until the client has
+    # closed the stream: so the request is still running at the checks below
+    # however fast or slow the machine.
+    with hold_engine(eng, 8) as (held, release):
         with httpx.Client(timeout=60) as c:
             with c.stream("POST", smol.url + "/v1/responses",
                           json={"model": M, "input": "Count from one to a thousand.", "max_output_tokens": 500,
@@ -460,8 +447,5 @@ def test_disconnect_mid_stream_frees_the_sequence(smol):
                 assert smol.metric("llamajet:num_requests_running") == 1
         release.set()  # the stream is closed: the next step sees the abort
         assert _wait(lambda: _idle(smol))
-    finally:
-        release.set()
-        del eng.step  # the class's own again
     assert eng.stats.generated - before < 500
     assert smol.llm.engine.scheduler.running == [] and not smol.llm.engine.scheduler.waiting
