@@ -51,7 +51,7 @@ enum DType : int32_t {
   // Q8_ACT's layout, but one scale per QK_K = 256 values (llama.cpp's Q8_K
   // rule), written into each of the span's groups (sums stay per group): the
   // input of the K-quant weights (PK_Q4K, PK_Q5K, PK_Q6K), whose kernels then
-  // sum a whole super-block in integers (matmul.inc, tile_a8).
+  // sum a whole super-block in integers (matmul_a8.inc, tile_a8).
   Q8_ACTK = 17,
   DTYPE_MAX = 17
 };
@@ -130,7 +130,7 @@ static inline int64_t row_bytes(int32_t t, int64_t k) {
 
 // Bytes of M rows of n values quantized in groups of G (kpad = n rounded up
 // to G): int8 codes padded to 64 bytes, then per group an fp32 scale and an
-// int32 sum (kernels/matmul.inc qact_layout).
+// int32 sum (kernels/matmul_packed.inc qact_layout).
 static inline int64_t qact_bytes(int64_t M, int64_t kpad, int64_t ng) { return ((M * kpad + 63) / 64) * 64 + 8 * M * ng; }
 
 // Bytes of one KV row: kv_heads heads of hd values in KV storage type t

@@ -1,6 +1,7 @@
 // contract.h — how an op family states its contract (kernels/ops.h lists them).
 //
-// An op family is one file (e.g. kernels/matmul.inc) holding, together:
+// An op family is one file (e.g. kernels/matmul.inc; a big family's kernels
+// may sit in parts that file includes, as matmul_*.inc) holding, together:
 //   - its params struct, declared through a field list so that the same
 //     list also binds every field to Python by name (bindings.cpp) and lets
 //     the executor resolve every tensor operand generically:

@@ -1,5 +1,5 @@
 // packed_scalar.h — one packed weight value at a time, scalar: the spec the
-// vector kernels are tested against (dequant_tile_row, matmul.inc) and what
+// vector kernels are tested against (dequant_tile_row, matmul_a16.inc) and what
 // _core.packed_columns reads a few columns of a matrix with (the outlier
 // pass, engine/outliers.py). Layout: common.h; the values are the fp32
 // operations of gguf.quants' dequantization (built with -ffp-contract=off).
@@ -59,7 +59,7 @@ inline float packed_value(int32_t t, float d, float m, int32_t code) {
 }
 
 
-// Where group g of a tile is (the scalar twin of matmul.inc's group_at): its
+// Where group g of a tile is (the scalar twin of matmul_packed.inc's group_at): its
 // (tile, super-block) block, its codes, its index j in the super-block.
 struct PackedGroup {
   const uint8_t* sb;

@@ -62,7 +62,7 @@ inline VecI dot_u8s8_at(VecI acc, VecI w, const int8_t* p) {
 inline VecI prep_s8(VecI w) { return {_mm512_xor_si512(w.v, _mm512_set1_epi8((char)0x80))}; }
 inline VecI dot_s8s8_at(VecI acc, VecI wp, const int8_t* p) { return dot_u8s8_at(acc, wp, p); }
 inline VecI iadd(VecI a, VecI b) { return {_mm512_add_epi32(a.v, b.v)}; }
-// K-quant super-block sums (matmul.inc, tile_a8): lane-wise int32 product
+// K-quant super-block sums (matmul_a8.inc, tile_a8): lane-wise int32 product
 // (the per-row 6-bit / int8 scale times a group's dot product), W bytes widened
 // to int32 lanes, and acc + lo16(a) lo16(x2) + hi16(a) hi16(x2) per lane with
 // x2 one int32 broadcast to every lane (two int16 products: vpdpwssd).

@@ -54,7 +54,7 @@ inline VecI dot_s8s8(VecI acc, VecI w, int32_t x4) {
   return {s};
 }
 inline VecI iadd(VecI a, VecI b) { return {a.v + b.v}; }
-// K-quant super-block sums (matmul.inc, tile_a8): the lane's int32 product,
+// K-quant super-block sums (matmul_a8.inc, tile_a8): the lane's int32 product,
 // a byte widened to the lane, the lane's two int16 halves (lo | hi << 16),
 // and acc + lo16(a) lo16(x2) + hi16(a) hi16(x2).
 inline VecI imul(VecI a, VecI b) { return {(int32_t)((uint32_t)a.v * (uint32_t)b.v)}; }
@@ -69,14 +69,14 @@ inline VecF cvt(VecI a) { return {(float)a.v}; }
 inline VecF load_h(const uint16_t* p) { return {lj::f16_to_f32(*p)}; }
 inline VecF load_i8(const int8_t* p) { return {(float)*p}; }
 inline VecF load_u8(const uint8_t* p) { return {(float)*p}; }
-// Bit-plane helpers of the 5- and 6-bit packed kinds (matmul.inc): shifts of
+// Bit-plane helpers of the 5- and 6-bit packed kinds (matmul_packed.inc): shifts of
 // the lane by whole bits (bits cross bytes; callers mask what they keep),
 // bytewise and / or.
 template <int N> inline VecI shl_bits(VecI a) { return {(int32_t)((uint32_t)a.v << N)}; }
 template <int N> inline VecI shr_bits(VecI a) { return {(int32_t)((uint32_t)a.v >> N)}; }
 inline VecI and_bytes(VecI a, uint8_t m) { return {(int32_t)((uint32_t)a.v & (0x01010101u * m))}; }
 inline VecI or_bytes(VecI a, VecI b) { return {a.v | b.v}; }
-// The W*A16 small-M path (matmul.inc): a VecI's bytes as 4 float vectors
+// The W*A16 small-M path (matmul_a16.inc): a VecI's bytes as 4 float vectors
 // ("quarters": lanes (row, j) on the wide tiers, here byte Q of the row),
 // the 4 activations a quarter's lanes multiply, and a row-layout vector
 // spread to a quarter's lanes.

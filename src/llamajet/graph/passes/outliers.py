@@ -9,7 +9,7 @@ held as 0 by the quantizer that writes the input (add_rmsnorm's qout, a
 quantize op) and their float values written beside it (xo [T, k]); every
 matmul reading that input adds the product of those columns of its weight
 (ow: W[:, channels] in fp16, tile-transposed) to its result before the bias
-and the epilogue (csrc/kernels/matmul.inc, add_bias). A row's result still
+and the epilogue (csrc/kernels/matmul_epilogue.inc, add_bias). A row's result still
 depends on that row alone: batched equals alone, bit for bit.
 
 Pattern: a node writing a Q8_ACT tensor (add_rmsnorm's qout, quantize's out)
