@@ -238,6 +238,19 @@ inline void stage_put(Stage& s, float* dst, const float* v, int64_t n) {
   for (int64_t r = 0; r < n; ++r) x.v[r] = v[r];
 }
 
+// n work items cut into about n / min_per chunks of at least min_per items
+// (at most cap chunks), all non-empty under split(): how an op family cuts
+// its kernel's work items into the chunks the executor's threads claim (its
+// chunks_of next to its rules; chunk u of U is split(items, u, U)). Never
+// from the thread count: a row's bits do not depend on it.
+inline int64_t even_chunks(int64_t items, int64_t min_per, int64_t cap) {
+  if (items <= 1) return 1;
+  int64_t u = (items + min_per - 1) / min_per;
+  u = u < 1 ? 1 : u > cap ? cap : u;
+  const int64_t per = (items + u - 1) / u;
+  return (items + per - 1) / per;
+}
+
 // Per-step inputs; arrays are owned by the Executor (sized at construction).
 struct StepCtx {
   int32_t n_tokens;

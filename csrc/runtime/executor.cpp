@@ -78,53 +78,17 @@ inline uint64_t pack_own(uint32_t g, int64_t b, int64_t e) {
 inline bool newer24(uint32_t a, uint32_t b) { return a != b && ((a - b) & kGenMask) < (1u << 23); }
 inline bool newer32(uint32_t a, uint32_t b) { return (int32_t)(a - b) > 0; }
 
-// n items in about n / min_per chunks, at most cap, all non-empty under split().
-int64_t even_chunks(int64_t items, int64_t min_per, int64_t cap) {
-  if (items <= 1) return 1;
-  int64_t u = (items + min_per - 1) / min_per;
-  u = u < 1 ? 1 : u > cap ? cap : u;
-  const int64_t per = (items + u - 1) / u;
-  return (items + per - 1) / per;
-}
 }  // namespace
 
-// Chunks of op s this step: its kernel's own work items (what it splits),
-// at least min_per each. Sizes: a matmul chunk is >= 4 weight tiles of 16
-// rows (the kernels prefetch a tile ahead within a chunk) and at most 32 per
-// op; attention / kv_write one (run, kv head) item; a row op >= 4 rows; a
-// flat op >= 4096 floats. A decode step's row ops are then one chunk (one
-// thread: splitting 2 KiB of work costs more in claims than it saves).
-// att_runs: the step's attention runs (counted once per step, in run()).
+// Chunks of op s this step: its family's chunks_of (next to its kernel,
+// from the work items the kernel splits). att_runs: the step's attention
+// runs (counted once per step, in run()).
 static int64_t op_chunks(int kind, const void* params, const StepCtx& c, int64_t att_runs) {
   switch (kind) {
-    case OP_MATMUL: {
-      const MatmulOp& p = *(const MatmulOp*)params;
-      return even_chunks((p.w.rows + TILE - 1) / TILE, 4, 32);
-    }
-    case OP_KV_WRITE:
-    case OP_ATTENTION: {
-      const int64_t kvh = kind == OP_KV_WRITE ? ((const KvWriteOp*)params)->kv_heads : ((const AttentionOp*)params)->kv_heads;
-      return even_chunks(att_runs * kvh, 1, 32);
-    }
-    case OP_EMBED:
-    case OP_ROPE: return even_chunks(c.n_tokens, 4, 16);
-    case OP_RMSNORM: return even_chunks(resolve_rows(((const RmsNormOp*)params)->x.rows, c), 4, 16);
-    case OP_ADD_RMSNORM: return even_chunks(resolve_rows(((const AddRmsNormOp*)params)->x.rows, c), 4, 16);
-    case OP_GATHER: return even_chunks(c.n_out, 4, 16);
-    case OP_ARGMAX: return even_chunks(resolve_rows(((const ArgmaxOp*)params)->x.rows, c), 1, 16);
-    case OP_SWIGLU: {
-      const SwigluOp& p = *(const SwigluOp*)params;
-      return even_chunks(resolve_rows(p.gate.rows, c) * p.gate.cols, 4096, 16);
-    }
-    case OP_ADD: {
-      const AddOp& p = *(const AddOp*)params;
-      return even_chunks(resolve_rows(p.a.rows, c) * p.a.cols, 4096, 16);
-    }
-    case OP_QUANTIZE: {
-      const QuantizeOp& p = *(const QuantizeOp*)params;
-      const int64_t G = p.out.group, ng = (p.x.cols + G - 1) / G, S = qact_span(p.out.dtype, G) / G;
-      return even_chunks((ng + S - 1) / S, 8, 16);
-    }
+#define LJ_OP_CHUNKS(KIND, name, P, FIELDS, kernel) \
+  case KIND: return chunks_of(*(const P*)params, c, att_runs);
+    LJ_OPS(LJ_OP_CHUNKS)
+#undef LJ_OP_CHUNKS
     default: return 1;
   }
 }
@@ -196,7 +160,7 @@ void Executor::size_claims() {
   for (const Slot& s : slots_)
     if (s.kind == OP_MATMUL) {
       const int64_t tiles = (((const MatmulOp*)s.params)->w.rows + TILE - 1) / TILE;
-      const int64_t U = even_chunks(tiles, 4, kMaxChunks), per = (tiles + U - 1) / U + 1;
+      const int64_t U = chunks_of(*(const MatmulOp*)s.params, ctx_, 0), per = (tiles + U - 1) / U + 1;
       stage_cap_ = std::max(stage_cap_, per * kStageRows);
     }
   stage_mem_.assign(nth > 1 ? nth * stage_cap_ : 0, StageEntry{});
@@ -307,7 +271,6 @@ void Executor::add(P p) {
       s.stream = (const uint8_t*)m.w.data;
       s.tile_bytes = packed_tile_bytes(m.w.dtype, m.w.cols, m.w.group);
       s.tiles = (m.w.rows + TILE - 1) / TILE;
-      s.qtiles = m.epilogue == EPI_QKV ? m.out.cols / TILE : 0;  // as the kernel's tile_ranges
     }
   }
   if constexpr (std::is_same_v<P, AttentionOp>) {
@@ -672,8 +635,10 @@ bool Executor::wait_op(size_t k, uint32_t g, int ith, int nth, int64_t chunk_ns)
     const int64_t U1 = chunks_[k + 1].load(std::memory_order_relaxed);
     const Range ur = split(U1, ith, nth);
     if (ur.b < ur.e) {
-      const int64_t tiles = nx.qtiles ? nx.qtiles : nx.tiles;
-      const int64_t tb = split(tiles, (int)ur.b, (int)U1).b, te = split(tiles, (int)ur.e - 1, (int)U1).e;
+      Range first[2], last[2];  // (the q tiles under QKV: the first of its two ranges)
+      tile_ranges(*(const MatmulOp*)nx.params, nx.tiles, (int)ur.b, (int)U1, first);
+      tile_ranges(*(const MatmulOp*)nx.params, nx.tiles, (int)ur.e - 1, (int)U1, last);
+      const int64_t tb = first[0].b, te = last[0].e;
       const int64_t bytes = (te - tb) * nx.tile_bytes < kWaitPrefetch ? (te - tb) * nx.tile_bytes : kWaitPrefetch;
       const char* p = (const char*)nx.stream + tb * nx.tile_bytes;
       for (int64_t off = 0; off < bytes && !(st = status());)

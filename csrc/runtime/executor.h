@@ -160,11 +160,11 @@ class Executor {
     const void* params;
     int kind;
     int bytes;  // sizeof the params struct (prefetched while the op before runs)
-    // A packed matmul's weights (tiles of tile_bytes; the QKV epilogue splits
-    // its first qtiles apart): where each thread's share starts, prefetched
-    // by threads waiting for the op before it to end.
+    // A packed matmul's weights (tiles of tile_bytes, shared out by
+    // tile_ranges): where each thread's share starts, prefetched by threads
+    // waiting for the op before it to end.
     const uint8_t* stream = nullptr;
-    int64_t tile_bytes = 0, tiles = 0, qtiles = 0;
+    int64_t tile_bytes = 0, tiles = 0;
     // kv_write whose attention is the next op (same pools): in a step where
     // every sequence's tokens are one attention run (decode), chunk u of
     // both is one piece of work (the same (run, kv head) items), so the two
@@ -210,7 +210,7 @@ class Executor {
   // step that committed chunk u of a staged op. stages_[t]: thread t's
   // stage, stage_cap_ entries (the largest staged matmul chunk at
   // kStageRows rows), in stage_mem_.
-  static constexpr int kMaxChunks = 32;  // op_chunks' cap for a matmul
+  static constexpr int kMaxChunks = (int)kMatmulMaxChunks;  // a matmul's chunks at most (chunks_of)
   int backups_mode_ = BACKUPS_BUSY;
   std::atomic<bool> stage_live_{false};  // this step runs its matmuls staged
   std::unique_ptr<std::atomic<uint32_t>[]> commit_;
