@@ -64,11 +64,8 @@ static inline bool is_qact(int32_t t) { return t == Q8_ACT || t == Q8_ACTK; }
 // Values sharing one scale in a quantized activation row of groups of g.
 static inline int64_t qact_span(int32_t t, int64_t g) { return t == Q8_ACTK ? QK_K : g; }
 
-static inline bool is_packed(int32_t t) { return (t >= PK_I4S && t <= PK_I8) || (t >= PK_I5S && t <= PK_Q6K); }
 static inline bool is_ggml_block(int32_t t) { return t == Q8_0 || t == Q4_0 || t == Q4_1; }
 static inline bool is_kv_dtype(int32_t t) { return t == F32 || t == F16 || t == BF16 || t == KV_I8; }
-// Types a weight (matmul / embedding table) may be stored in.
-static inline bool is_weight_dtype(int32_t t) { return t == F32 || t == F16 || t == BF16 || is_ggml_block(t) || is_packed(t); }
 
 // Bytes of one GGML block of 32 elements (0: not a block type).
 static inline int64_t ggml_block_bytes(int32_t t) { return t == Q8_0 ? 34 : t == Q4_0 ? 18 : t == Q4_1 ? 20 : 0; }
@@ -81,25 +78,55 @@ static inline int64_t ggml_block_bytes(int32_t t) { return t == Q8_0 ? 34 : t ==
 //   tail: d[16] fp16 (and m[16] fp16: PK_I4A, PK_I5A);
 //     PK_Q4K, PK_Q5K: D[16], DM[16] fp16, sc[8][16] u8, mn[8][16] u8;
 //     PK_Q6K: D[16] fp16, sc[16][16] int8.
-static inline int packed_code_bits(int32_t t) {
-  return t == PK_I8 ? 8 : (t == PK_I5S || t == PK_I5A || t == PK_Q5K) ? 5 : t == PK_Q6K ? 6 : 4;
-}
-static inline int64_t packed_super(int32_t t) { return t == PK_Q4K || t == PK_Q5K ? 8 : t == PK_Q6K ? 16 : 1; }
-// The group length a kind is made for (the GGUF block's), 0 = any multiple of 8.
-static inline int64_t packed_fixed_group(int32_t t) { return t == PK_Q6K ? 16 : t >= PK_I5S && t <= PK_Q5K ? 32 : 0; }
-static inline int64_t packed_group_code_bytes(int32_t t, int64_t g) { return TILE * g * packed_code_bits(t) / 8; }
-static inline int64_t packed_tail_bytes(int32_t t) {
+//
+// The packed kinds' traits, a row each (ggml's type_traits_cpu is the
+// model): everything the engine knows of a kind apart from how its scale
+// tail is read (the kernels' group_scales, packed_scalar.h) and written
+// (runtime/repack.cpp). The kernels' dispatch is made from this list.
+//   bits   code bits
+//   super  groups per (tile, super-block) block (S; > 1: a K-quant)
+//   group  the group length it is made for (the GGUF block's), 0 = any multiple of 8
+//   tail   bytes of a block's scale tail
+//   asym   w = d * c + m (m per row and group), else w = d * (c - bias)
+//   bias   the codes' offset (symmetric kinds)
+//   act    the activation type its W*A8 kernels read: the K-quants sum a
+//          super-block in integers, so their input rows share one scale per 256
+#define LJ_PACKED_KINDS(X)                                          \
+  /* kind    bits super group tail                    asym  bias act */ \
+  X(PK_I4S,  4,   1,    0,    2 * TILE,               false, 8,  Q8_ACT)  \
+  X(PK_I4A,  4,   1,    0,    4 * TILE,               true,  0,  Q8_ACT)  \
+  X(PK_I8,   8,   1,    0,    2 * TILE,               false, 0,  Q8_ACT)  \
+  X(PK_I5S,  5,   1,    32,   2 * TILE,               false, 16, Q8_ACT)  \
+  X(PK_I5A,  5,   1,    32,   4 * TILE,               true,  0,  Q8_ACT)  \
+  X(PK_Q4K,  4,   8,    32,   4 * TILE + 2 * 8 * TILE, true,  0,  Q8_ACTK) \
+  X(PK_Q5K,  5,   8,    32,   4 * TILE + 2 * 8 * TILE, true,  0,  Q8_ACTK) \
+  X(PK_Q6K,  6,   16,   16,   2 * TILE + 16 * TILE,   false, 32, Q8_ACTK)
+
+struct PackedTraits {
+  int bits;  // 0: not a packed kind
+  int64_t super, group, tail;
+  bool asym;
+  int bias;
+  int32_t act;
+};
+constexpr PackedTraits packed_traits(int32_t t) {
   switch (t) {
-    case PK_I4A: case PK_I5A: return 4 * TILE;
-    case PK_Q4K: case PK_Q5K: return 4 * TILE + 2 * 8 * TILE;
-    case PK_Q6K: return 2 * TILE + 16 * TILE;
-    default: return 2 * TILE;
+#define LJ_PACKED_ROW(K, bits, super, group, tail, asym, bias, act) \
+  case K: return {bits, super, group, tail, asym, bias, act};
+    LJ_PACKED_KINDS(LJ_PACKED_ROW)
+#undef LJ_PACKED_ROW
+    default: return {0, 0, 0, 0, false, 0, 0};
   }
 }
-
-// The activation type a packed kind's W*A8 kernels read: the K-quants sum a
-// super-block in integers, so their input rows share one scale per 256.
-static inline int32_t packed_act_dtype(int32_t t) { return t == PK_Q4K || t == PK_Q5K || t == PK_Q6K ? Q8_ACTK : Q8_ACT; }
+static inline bool is_packed(int32_t t) { return packed_traits(t).bits != 0; }
+static inline int packed_code_bits(int32_t t) { return packed_traits(t).bits; }
+static inline int64_t packed_super(int32_t t) { return packed_traits(t).super; }
+static inline int64_t packed_fixed_group(int32_t t) { return packed_traits(t).group; }
+static inline int64_t packed_group_code_bytes(int32_t t, int64_t g) { return TILE * g * packed_code_bits(t) / 8; }
+static inline int64_t packed_tail_bytes(int32_t t) { return packed_traits(t).tail; }
+static inline int32_t packed_act_dtype(int32_t t) { return packed_traits(t).act; }
+// Types a weight (matmul / embedding table) may be stored in.
+static inline bool is_weight_dtype(int32_t t) { return t == F32 || t == F16 || t == BF16 || is_ggml_block(t) || is_packed(t); }
 
 // Bytes of one (tile, super-block) block of a packed format with group length g.
 static inline int64_t packed_block_bytes(int32_t t, int64_t g) {
