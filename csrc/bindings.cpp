@@ -438,8 +438,16 @@ NB_MODULE(_core, m) {
            "hold (matmuls of staged steps only): it claims one chunk of the op instead and runs it only "
            "after the others have finished the op (a thread descheduled mid-chunk).")
       .def_prop_rw("backups", &lj::Executor::backups_mode, &lj::Executor::set_backups,
-                   "Backup copies of held matmul chunks: 0 never, 1 in steps after a thread was found busy "
-                   "(default; LLAMAJET_BACKUPS=never|busy|always), 2 in every step of up to 16 tokens.")
+                   "Backup copies of held matmul chunks: 0 never (default), 1 in steps after a thread was "
+                   "found busy, 2 in every step of up to 16 tokens. On, a descheduled thread may still be "
+                   "inside a chunk (a copy that will be dropped) after run() returns, reading the Program's "
+                   "memory: keep every array it reads alive until quiesce() or the executor's end.")
+      .def("quiesce",
+           [](lj::Executor& e) {
+             nb::gil_scoped_release unlocked;
+             e.quiesce();
+           },
+           "Returns when no thread is inside a step (a late backup copy included).")
       .def("profile",
            [](const lj::Executor& e) {
              nb::list out;  // (op index, kind, total ns) over the profiled steps

@@ -171,6 +171,29 @@ def test_a_chunk_held_mid_way_is_backed_up_and_the_late_copy_dropped(two):
         exe.backups = 3
 
 
+def test_backups_are_on_in_the_engine_and_opt_in_elsewhere(two, stories_hf, monkeypatch):
+    """A bare executor never runs a chunk twice (0): a late copy reads the
+    Program's memory after run() returns, which only an owner that keeps
+    it alive until quiesce() may allow. The engine's runner opts in (1:
+    once a thread is found busy) and quiesces in its finalizer;
+    LLAMAJET_BACKUPS picks the mode, and a wrong value is refused."""
+    from llamajet import ops
+    from llamajet.errors import LlamajetError
+
+    bare = ops.Executor(isa="ref", n_threads=2, max_tokens=4, max_out=4, max_seqs=1, max_blocks=1, kv_slots=16,
+                        block_size=16, max_pos=16)
+    assert bare.backups == 0
+    bare.quiesce()
+    assert two.engine.runner.exe.backups == 1
+    monkeypatch.setenv("LLAMAJET_BACKUPS", "never")
+    assert LLM(stories_hf, max_model_len=64).engine.runner.exe.backups == 0
+    monkeypatch.setenv("LLAMAJET_BACKUPS", "always")
+    assert LLM(stories_hf, max_model_len=64).engine.runner.exe.backups == 2
+    monkeypatch.setenv("LLAMAJET_BACKUPS", "sometimes")
+    with pytest.raises(LlamajetError, match="LLAMAJET_BACKUPS='sometimes'"):
+        LLM(stories_hf, max_model_len=64)
+
+
 def test_idle_fraction_rises_when_a_worker_is_stalled(two):
     """thread_idle_fraction = 1 - work / (threads x step time). A worker that
     claims nothing in any op computes nothing, so at least half of two

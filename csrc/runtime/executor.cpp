@@ -49,9 +49,10 @@ constexpr int64_t kWaitPrefetch = 64 * 1024;
 // that adds into its output in place, or a late write into an arena the next
 // op already reuses, would not survive a duplicate.
 //
-// Except staged: backup copies. In a step of at most kStageRows tokens
-// after a thread of the job was found busy (taken off its core against its
-// will lately; set_backups), every matmul chunk runs staged: its epilogue
+// Except staged: backup copies (opt-in: set_backups, executor.h says what
+// the owner then keeps alive). In a step of at most kStageRows tokens after
+// a thread of the job was found busy (taken off its core against its will
+// lately), every matmul chunk runs staged: its epilogue
 // writes go into the thread's stage (StepCtx::stage), and the chunk is
 // committed by a CAS on commit_[op][u] (from an older step's generation to
 // this one): the winner writes the stage to memory and reports the chunk
@@ -131,10 +132,6 @@ Executor::Executor(const ExecConfig& cfg) : cfg_(cfg), table_(kernel_table(cfg.i
   ctx_.block_size = cfg_.block_size;
   ctx_.first = 1;
   per_thread_ = std::vector<PerThread>(cfg_.n_threads);
-  if (const char* b = std::getenv("LLAMAJET_BACKUPS")) {
-    const std::string v = b;
-    backups_mode_ = v == "never" ? BACKUPS_NEVER : v == "always" ? BACKUPS_ALWAYS : BACKUPS_BUSY;
-  }
   size_claims();
 }
 

@@ -108,9 +108,13 @@ class Executor {
     stall_thread_ = ith, stall_kinds_ = kinds_mask, stall_every_ = every, stall_hold_ = hold;
   }
 
-  // Backup copies (executor.cpp): 0 never, 1 in steps after a thread of the
-  // job was found busy (the default), 2 in every step of up to kStageRows
-  // tokens. LLAMAJET_BACKUPS=never|busy|always sets the default.
+  // Backup copies (executor.cpp): 0 never (the default), 1 in steps after a
+  // thread of the job was found busy, 2 in every step of up to kStageRows
+  // tokens. With them on, a thread the OS took off its core mid-chunk may
+  // still be inside that chunk (a copy whose commit will lose) after run()
+  // returns: it only reads, but it reads the Program's memory, so its
+  // owner keeps every array the Program reads alive until quiesce() or the
+  // executor's end (ModelRunner quiesces in its finalizer). Hence opt-in.
   enum BackupMode { BACKUPS_NEVER = 0, BACKUPS_BUSY = 1, BACKUPS_ALWAYS = 2 };
   static constexpr int kStageRows = 16;
   void set_backups(int mode) {
@@ -119,6 +123,8 @@ class Executor {
     backups_mode_ = mode;
   }
   int backups_mode() const { return backups_mode_; }
+  // Returns when no thread is inside a job (a late copy included).
+  void quiesce() { pool_->quiesce(); }
 
   // Runs the Program for one step. Inputs are validated (lengths, ranges)
   // before any kernel runs; throws std::invalid_argument on bad input.
@@ -211,7 +217,7 @@ class Executor {
   // stage, stage_cap_ entries (the largest staged matmul chunk at
   // kStageRows rows), in stage_mem_.
   static constexpr int kMaxChunks = (int)kMatmulMaxChunks;  // a matmul's chunks at most (chunks_of)
-  int backups_mode_ = BACKUPS_BUSY;
+  int backups_mode_ = BACKUPS_NEVER;
   std::atomic<bool> stage_live_{false};  // this step runs its matmuls staged
   std::unique_ptr<std::atomic<uint32_t>[]> commit_;
   std::vector<StageEntry> stage_mem_;

@@ -131,6 +131,11 @@ class ModelRunner:
             max_tokens=self.max_tokens, max_out=self.max_out, max_seqs=self.max_seqs, max_blocks=self.max_blocks,
             kv_slots=self.num_blocks * self.block_size, block_size=self.block_size, max_pos=self.max_model_len,
             scratch_floats=0)  # the executor sizes per-thread scratch from the ops it is given
+        # Backup copies of chunks a descheduled thread holds (executor.h):
+        # on once a thread of a step is found busy. A late copy may still
+        # read the weights after a step returns, so __del__ quiesces the
+        # executor before this runner's arrays go.
+        self.exe.backups = _backups_mode()
         self.arena = self.exe.alloc_buffer(self.plan.arena_bytes)
         mc = model.config
         num_slots = self.num_blocks * self.block_size
@@ -161,6 +166,13 @@ class ModelRunner:
     @property
     def isa(self) -> str:
         return self.exe.isa
+
+    def __del__(self) -> None:
+        # before the instance's arrays are released (the finalizer runs first):
+        # no thread of the executor may still read them
+        exe = self.__dict__.get("exe")
+        if exe is not None:
+            exe.quiesce()
 
     @property
     def n_threads(self) -> int:
@@ -249,3 +261,19 @@ class ModelRunner:
                 out_rows.extend(range(len(tokens) - 1 - len(s.draft), len(tokens)))
         i32 = ops.i32
         return StepBatch(i32(tokens), i32(positions), i32(slots), i32(seq_of), tables, i32(out_rows))
+
+
+_BACKUPS = {"never": 0, "busy": 1, "always": 2}
+
+
+def _backups_mode() -> int:
+    """LLAMAJET_BACKUPS=never|busy|always (default busy): when the executor
+    runs a held matmul chunk again (executor.h)."""
+    import os
+
+    from llamajet.errors import LlamajetError
+
+    v = os.environ.get("LLAMAJET_BACKUPS", "busy")
+    if v not in _BACKUPS:
+        raise LlamajetError(f"LLAMAJET_BACKUPS={v!r}: expected one of never, busy, always")
+    return _BACKUPS[v]
