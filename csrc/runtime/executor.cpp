@@ -61,9 +61,13 @@ constexpr int64_t kWaitPrefetch = 64 * 1024;
 // have finished) runs the op's uncommitted chunks itself, staged, and
 // commits what it wins (MapReduce's backup tasks). Safe because only a
 // commit writes, once, while the op is running (it is not complete before
-// its last chunk is committed); a late holder reads whatever its inputs
-// have become, into its own stage and scratch, and loses its commit; a
-// residual epilogue reads the residual before any commit of its columns.
+// its last chunk is committed), and because no copy computes on inputs a
+// later op has rewritten: a thread's first staged chunk of an op copies the
+// op's inputs into its snapshot and computes only if the op was still
+// running after the copy (run_chunk_staged), so a late holder computes true
+// values from its copy, or nothing, and loses its commit (CI's UBSan run
+// once caught a late copy's integer arithmetic on a half-rewritten input).
+// A residual epilogue's columns are written by its own chunk's commit only.
 // Bits: a chunk's values are the same whoever runs it (no kernel's
 // arithmetic depends on the thread), so a backup changes no result.
 // Matmuls are most of a decode step; the other ops still wait for a held
@@ -135,6 +139,19 @@ Executor::Executor(const ExecConfig& cfg) : cfg_(cfg), table_(kernel_table(cfg.i
   size_claims();
 }
 
+// The inputs a staged matmul reads that earlier ops wrote this step (x, qin,
+// the residual, the outlier values; weights, tables and norms do not
+// change), at this step's rows.
+static int64_t snapshot_bytes(const MatmulOp& m, int64_t rows_tokens, int64_t rows_out) {
+  int64_t b = 0;
+  for (const Ref* r : {&m.x, &m.qin, &m.residual, &m.xo})
+    if (present(*r)) {
+      const int64_t rows = r->rows == ROWS_TOKENS ? rows_tokens : r->rows == ROWS_OUT ? rows_out : r->rows;
+      b += (tensor_bytes(r->dtype, rows, r->cols, r->group) + 63) / 64 * 64;
+    }
+  return b;
+}
+
 // The claim words for the Program as it is (pool quiesced). Words start at
 // the last step's generation, complete: the next step's is newer.
 void Executor::size_claims() {
@@ -161,6 +178,12 @@ void Executor::size_claims() {
       stage_cap_ = std::max(stage_cap_, per * kStageRows);
     }
   stage_mem_.assign(nth > 1 ? nth * stage_cap_ : 0, StageEntry{});
+  snap_cap_ = 0;
+  for (const Slot& s : slots_)
+    if (s.kind == OP_MATMUL)
+      snap_cap_ = std::max(snap_cap_, snapshot_bytes(*(const MatmulOp*)s.params, kStageRows, kStageRows));
+  snap_mem_.assign(nth > 1 ? nth * snap_cap_ + 64 : 0, 0);  // (+ 64: each thread's copy 64-byte aligned)
+  snap_ops_.assign(nth, MatmulOp{});
   stages_.assign(nth, Stage{});
   for (size_t t = 0; t < nth && nth > 1; ++t) stages_[t] = Stage{stage_mem_.data() + t * stage_cap_, 0, stage_cap_, false};
 }
@@ -529,14 +552,37 @@ bool Executor::run_staged(size_t k, uint32_t g, int ith, int nth, StepCtx& c, Pe
 
 // Runs chunk u of op k into this thread's stage and commits it: true when
 // this copy won (its writes are in memory and the chunk is reported done).
+// A thread's first staged chunk of an op first copies the op's inputs (the
+// only memory it reads that later ops rewrite) into its snapshot, and runs
+// on the copy only if the op is still running after the copy: its inputs
+// cannot have changed meanwhile (only ops after it rewrite them), so a
+// thread the OS held back computes on true values or not at all (never on
+// memory a later op has half rewritten). Its later chunks of the op reuse
+// the copy.
 bool Executor::run_chunk_staged(size_t k, int64_t u, uint32_t g, StepCtx& c) {
   Stage& st = *c.stage;
   st.n = 0, st.overflow = false;
-  slots_[k].fn(slots_[k].params, c, (int)u, chunks_[k].load(std::memory_order_relaxed));
+  const int ith = (int)(&st - stages_.data());
+  if (c.first && !take_snapshot(k, g, ith, c)) return false;  // the op is over: nothing to compute
+  slots_[k].fn(&snap_ops_[ith], c, (int)u, chunks_[k].load(std::memory_order_relaxed));
   c.first = 0;
   if (!commit(k, u, g, st)) return false;
   report(k, g, 1);
   return true;
+}
+
+bool Executor::take_snapshot(size_t k, uint32_t g, int ith, const StepCtx& c) {
+  MatmulOp& s = snap_ops_[ith];
+  s = *(const MatmulOp*)slots_[k].params;
+  uint8_t* p = (uint8_t*)(((uintptr_t)snap_mem_.data() + 63) & ~(uintptr_t)63) + (size_t)ith * snap_cap_;
+  for (Ref* r : {&s.x, &s.qin, &s.residual, &s.xo})
+    if (present(*r)) {
+      const int64_t n = tensor_bytes(r->dtype, resolve_rows(r->rows, c), r->cols, r->group);
+      std::memcpy(p, r->data, (size_t)n);
+      r->data = p;
+      p += (n + 63) / 64 * 64;
+    }
+  return op_state(k, g) == 0;
 }
 
 // The one commit of chunk u of op k in step g: CAS its word from an older

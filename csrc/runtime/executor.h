@@ -146,6 +146,7 @@ class Executor {
   bool run_staged(size_t k, uint32_t g, int ith, int nth, StepCtx& c, PerThread& me, int stall);
   bool run_chunk_staged(size_t k, int64_t u, uint32_t g, StepCtx& c);
   bool commit(size_t k, int64_t u, uint32_t g, Stage& st);
+  bool take_snapshot(size_t k, uint32_t g, int ith, const StepCtx& c);
 
   ExecConfig cfg_;
   const KernelTable* table_;
@@ -223,6 +224,11 @@ class Executor {
   std::vector<StageEntry> stage_mem_;
   std::vector<Stage> stages_;
   int64_t stage_cap_ = 0;
+  // snap_ops_[t]: thread t's copy of the staged matmul it runs, its inputs
+  // pointed at snap_mem_'s t-th snap_cap_ bytes (run_chunk_staged).
+  std::vector<MatmulOp> snap_ops_;
+  std::vector<uint8_t> snap_mem_;
+  int64_t snap_cap_ = 0;
   std::atomic<int64_t> wall_cycles_{0}, stat_steps_{0};
   int stall_thread_ = -1;
   uint32_t stall_kinds_ = 0;
