@@ -141,16 +141,13 @@ Executor::Executor(const ExecConfig& cfg) : cfg_(cfg), table_(kernel_table(cfg.i
 
 // The inputs a staged matmul reads that earlier ops wrote this step (x, qin,
 // the residual, the outlier values; weights, tables and norms do not
-// change), at this step's rows.
-static int64_t snapshot_bytes(const MatmulOp& m, int64_t rows_tokens, int64_t rows_out) {
-  int64_t b = 0;
-  for (const Ref* r : {&m.x, &m.qin, &m.residual, &m.xo})
-    if (present(*r)) {
-      const int64_t rows = r->rows == ROWS_TOKENS ? rows_tokens : r->rows == ROWS_OUT ? rows_out : r->rows;
-      b += (tensor_bytes(r->dtype, rows, r->cols, r->group) + 63) / 64 * 64;
-    }
-  return b;
+// change): what take_snapshot copies, each its bytes at c's rows (0:
+// absent), at a 64-byte boundary.
+static constexpr Ref MatmulOp::* kSnapshotInputs[] = {&MatmulOp::x, &MatmulOp::qin, &MatmulOp::residual, &MatmulOp::xo};
+static int64_t snapshot_bytes(const Ref& r, const StepCtx& c) {
+  return present(r) ? tensor_bytes(r.dtype, resolve_rows(r.rows, c), r.cols, r.group) : 0;
 }
+static int64_t round64(int64_t n) { return (n + 63) / 64 * 64; }
 
 // The claim words for the Program as it is (pool quiesced). Words start at
 // the last step's generation, complete: the next step's is newer.
@@ -169,19 +166,21 @@ void Executor::size_claims() {
   commit_.reset(new std::atomic<uint32_t>[n * kMaxChunks + 1]);
   for (size_t i = 0; i < n * kMaxChunks + 1; ++i) commit_[i].store(g, std::memory_order_relaxed);
   // Stages: the largest matmul chunk (tiles per chunk as op_chunks cuts
-  // them, plus one for QKV's two ranges) at kStageRows rows.
-  stage_cap_ = 0;
+  // them, plus one for QKV's two ranges) at kStageRows rows; snapshots: the
+  // largest matmul's inputs at kStageRows rows.
+  StepCtx staged{};
+  staged.n_tokens = staged.n_out = kStageRows;
+  stage_cap_ = snap_cap_ = 0;
   for (const Slot& s : slots_)
     if (s.kind == OP_MATMUL) {
-      const int64_t tiles = (((const MatmulOp*)s.params)->w.rows + TILE - 1) / TILE;
-      const int64_t U = chunks_of(*(const MatmulOp*)s.params, ctx_, 0), per = (tiles + U - 1) / U + 1;
-      stage_cap_ = std::max(stage_cap_, per * kStageRows);
+      const MatmulOp& m = *(const MatmulOp*)s.params;
+      const int64_t tiles = (m.w.rows + TILE - 1) / TILE, U = chunks_of(m, staged, 0);
+      stage_cap_ = std::max(stage_cap_, ((tiles + U - 1) / U + 1) * kStageRows);
+      int64_t bytes = 0;
+      for (auto f : kSnapshotInputs) bytes += round64(snapshot_bytes(m.*f, staged));
+      snap_cap_ = std::max(snap_cap_, bytes);
     }
   stage_mem_.assign(nth > 1 ? nth * stage_cap_ : 0, StageEntry{});
-  snap_cap_ = 0;
-  for (const Slot& s : slots_)
-    if (s.kind == OP_MATMUL)
-      snap_cap_ = std::max(snap_cap_, snapshot_bytes(*(const MatmulOp*)s.params, kStageRows, kStageRows));
   snap_mem_.assign(nth > 1 ? nth * snap_cap_ + 64 : 0, 0);  // (+ 64: each thread's copy 64-byte aligned)
   snap_ops_.assign(nth, MatmulOp{});
   stages_.assign(nth, Stage{});
@@ -419,6 +418,12 @@ void Executor::job_chunked(int ith, int nth) {
   int32_t* counts = chunks_per_op_.data() + (size_t)ith * n;
   uint32_t stalled = 0;  // op kinds the test hook has met this step
   auto t0 = std::chrono::steady_clock::now();
+  const auto timed = [&](size_t k) {  // thread 0's profile: op k ended now
+    if (!prof) return;
+    const auto t1 = std::chrono::steady_clock::now();
+    op_ns_[k] += std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
+    t0 = t1;
+  };
   const bool pairs = pairs_live_.load(std::memory_order_relaxed);  // (validated with each claim, as chunks_)
   const bool staged = stage_live_.load(std::memory_order_relaxed);  // (likewise)
   for (size_t k = 0; k < n; ++k) {
@@ -435,17 +440,12 @@ void Executor::job_chunked(int ith, int nth) {
     // (test hook: `stalled` holds the kinds met so far this step, on every thread)
     const bool hook = stall_thread_ >= 0 && (stall_kinds_ >> op.kind & 1) && (stall_every_ || !(stalled >> op.kind & 1));
     const bool stall = hook && ith == stall_thread_;
+    stalled |= hook ? 1u << op.kind : 0;
     if (staged && op.kind == OP_MATMUL) {
-      stalled |= hook ? 1u << op.kind : 0;
       if (!run_staged(k, g, ith, nth, c, me, stall ? 1 + stall_hold_ : hook && stall_hold_ ? 3 : 0)) return;
-      if (prof) {
-        const auto t1 = std::chrono::steady_clock::now();
-        op_ns_[k] += std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
-        t0 = t1;
-      }
+      timed(k);
       continue;
     }
-    stalled |= hook ? 1u << op.kind : 0;
     if (stall) {
       if (!wait_op(last, g, -1, nth, 0)) return;
       k = last;
@@ -471,11 +471,7 @@ void Executor::job_chunked(int ith, int nth) {
     for (size_t j = k; j <= last; ++j) counts[j] = (int32_t)mine;
     PerThread::add(me.chunks, mine);
     if (!(mine && report(last, g, mine)) && !wait_op(last, g, ith, nth, (int64_t)(longest / tsc_ns))) return;
-    if (prof) {
-      const auto t1 = std::chrono::steady_clock::now();
-      op_ns_[last] += std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
-      t0 = t1;
-    }
+    timed(last);
     k = last;
   }
   if (prof) ++steps_;
@@ -575,13 +571,14 @@ bool Executor::take_snapshot(size_t k, uint32_t g, int ith, const StepCtx& c) {
   MatmulOp& s = snap_ops_[ith];
   s = *(const MatmulOp*)slots_[k].params;
   uint8_t* p = (uint8_t*)(((uintptr_t)snap_mem_.data() + 63) & ~(uintptr_t)63) + (size_t)ith * snap_cap_;
-  for (Ref* r : {&s.x, &s.qin, &s.residual, &s.xo})
-    if (present(*r)) {
-      const int64_t n = tensor_bytes(r->dtype, resolve_rows(r->rows, c), r->cols, r->group);
-      std::memcpy(p, r->data, (size_t)n);
-      r->data = p;
-      p += (n + 63) / 64 * 64;
+  for (auto f : kSnapshotInputs) {
+    Ref& r = s.*f;
+    if (const int64_t n = snapshot_bytes(r, c)) {
+      std::memcpy(p, r.data, (size_t)n);
+      r.data = p;
+      p += round64(n);
     }
+  }
   return op_state(k, g) == 0;
 }
 

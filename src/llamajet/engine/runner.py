@@ -20,6 +20,7 @@ graph` runs too, so what it shows is what the runner runs.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -28,6 +29,7 @@ import numpy as np
 from llamajet import ops
 from llamajet.config import RuntimeConfig
 from llamajet.engine.block_manager import kv_slot
+from llamajet.errors import LlamajetError
 from llamajet.formats.convert import prepare_weights
 from llamajet.formats.pending import materialize
 from llamajet.graph.ir import Graph
@@ -270,10 +272,6 @@ _BACKUPS = {"never": 0, "busy": 1, "always": 2}
 def _backups_mode() -> int:
     """LLAMAJET_BACKUPS=never|busy|always (default never: experimental):
     when the executor runs a held matmul chunk again (executor.h)."""
-    import os
-
-    from llamajet.errors import LlamajetError
-
     v = os.environ.get("LLAMAJET_BACKUPS", "never")
     if v not in _BACKUPS:
         raise LlamajetError(f"LLAMAJET_BACKUPS={v!r}: expected one of never, busy, always")
